@@ -1,0 +1,107 @@
+// The op interface that model code is written against. One implementation per device:
+// cpu/ (fp32 reference ops, this issue) and cuda/ (bf16 kernels, a later issue). Tensors passed
+// in are contiguous and live on the backend's device. Ops never allocate except `empty` and the
+// upload helpers, so a CUDA backend can capture steps into graphs.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/tensor.h"
+#include "weights/safetensors.h"
+
+namespace dflash {
+
+// Metadata of one batch of paged attention. Sequence s owns query rows
+// [query_start[s], query_start[s+1]); its queries sit at the LAST positions of its kv_len keys
+// (kv_len[s] - num_queries + i), which is the causal query offset; with causal=false every
+// query sees all kv_len[s] keys (the drafter's block attention).
+struct AttentionMeta {
+  int num_seqs = 0;
+  int max_blocks_per_seq = 0;
+  int max_query_len = 0;
+  int max_kv_len = 0;
+  bool causal = true;
+  Tensor query_start;  // [num_seqs + 1] int32
+  Tensor kv_len;       // [num_seqs] int32
+  Tensor block_table;  // [num_seqs, max_blocks_per_seq] int32 block ids
+};
+
+// A paged K/V pool for all layers of one model.
+struct KVPool {
+  int64_t num_layers = 0, num_blocks = 0, block_size = 0, num_kv_heads = 0, head_dim = 0;
+  Tensor k;  // [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+  Tensor v;  // same
+};
+
+// Per-row sampling parameters. temperature == 0 is greedy (argmax); top_k == 0 and
+// top_p == 1 disable those filters. The random stream is keyed by (seed, position), so a
+// request samples the same tokens alone or in any batch.
+struct SampleRow {
+  float temperature = 0.0f;
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  uint64_t seed = 0;
+  int64_t position = 0;  // absolute position of the token being sampled
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual DeviceKind kind() const = 0;
+  virtual std::string name() const = 0;
+  virtual DType compute_dtype() const = 0;
+
+  // Memory. `empty` contents are unspecified.
+  virtual Tensor empty(const std::vector<int64_t>& shape, DType dtype) = 0;
+  virtual Tensor zeros(const std::vector<int64_t>& shape, DType dtype) = 0;
+  // A weight uploaded once in the compute dtype; several stored tensors are stacked along
+  // dim 0 (fused QKV, fused gate/up).
+  virtual Tensor weight(const std::vector<const StoredTensor*>& parts) = 0;
+  virtual Tensor upload_f32(const float* host, const std::vector<int64_t>& shape) = 0;
+  virtual Tensor upload_i32(const int32_t* host, const std::vector<int64_t>& shape) = 0;
+  virtual void download_f32(const Tensor& t, float* host) = 0;
+  virtual void synchronize() = 0;
+
+  // out[T, H] = table[ids[T], :]
+  virtual void embedding(const Tensor& table, const Tensor& ids, Tensor& out) = 0;
+  // out[T, H] = rmsnorm(x[T, H]) * w[H]
+  virtual void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) = 0;
+  // residual[T, H] += x[T, H]; out = rmsnorm(residual) * w
+  virtual void add_rms_norm(Tensor& residual, const Tensor& x, const Tensor& w, float eps,
+                            Tensor& out) = 0;
+  // out[T, N] = x[T, K] @ w[N, K]^T
+  virtual void linear(const Tensor& x, const Tensor& w, Tensor& out) = 0;
+  // out[T, I] = silu(gate_up[T, :I]) * gate_up[T, I:]
+  virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
+  // out[T, H] = a[T, H] + b[T, H]
+  virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;
+  // Splits qkv[T, (nh + 2 nkv) hd] into q[T, nh, hd], k[T, nkv, hd], v[T, nkv, hd]; applies the
+  // per-head RMSNorm to q and k when q_norm/k_norm [hd] are non-empty (Qwen3), then
+  // rotate-half RoPE at positions[T] with inv_freq[hd/2] and the attention scaling factor.
+  virtual void qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
+                             float eps, const Tensor& positions, const Tensor& inv_freq,
+                             float rope_scale, Tensor& q, Tensor& k, Tensor& v) = 0;
+  // pool.{k,v}[layer] at slots[T] (block * block_size + offset) = k[T], v[T]
+  virtual void kv_write(KVPool& pool, int64_t layer, const Tensor& k, const Tensor& v,
+                        const Tensor& slots) = 0;
+  // out[T, nh * hd] = softmax(q k^T / sqrt(hd)) v over the paged keys of each sequence.
+  virtual void paged_attention(const Tensor& q, const KVPool& pool, int64_t layer,
+                               const AttentionMeta& meta, Tensor& out) = 0;
+  // dst[T, col:col + C] = src[T, C]   (dst is [T, W], row-major)
+  virtual void copy_columns(const Tensor& src, Tensor& dst, int64_t col) = 0;
+  // out[R, H] = x[rows[R], :]
+  virtual void gather_rows(const Tensor& x, const Tensor& rows, Tensor& out) = 0;
+  // Samples one token per row of logits[R, V] (fp32) into tokens_out (host, R entries).
+  virtual void sample(const Tensor& logits, const std::vector<SampleRow>& rows,
+                      int32_t* tokens_out) = 0;
+
+  virtual int num_threads() const = 0;
+};
+
+// device: "cpu" (or "cuda" once that backend exists). Throws InvalidArgument otherwise.
+std::unique_ptr<Backend> backend_create(const std::string& device, int num_threads);
+
+}  // namespace dflash

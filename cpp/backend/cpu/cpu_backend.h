@@ -1,0 +1,54 @@
+// The CPU backend: fp32 reference ops. GEMMs go to OpenBLAS (PyPI scipy-openblas32); the
+// rest are plain loops parallelised with OpenMP. It is the numerical reference for the CUDA
+// backend and what CI runs end to end.
+#pragma once
+
+#include "backend/backend.h"
+
+namespace dflash {
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int num_threads);
+
+  DeviceKind kind() const override { return DeviceKind::kCPU; }
+  std::string name() const override { return "cpu"; }
+  DType compute_dtype() const override { return DType::kF32; }
+  int num_threads() const override { return num_threads_; }
+
+  Tensor empty(const std::vector<int64_t>& shape, DType dtype) override;
+  Tensor zeros(const std::vector<int64_t>& shape, DType dtype) override;
+  Tensor weight(const std::vector<const StoredTensor*>& parts) override;
+  Tensor upload_f32(const float* host, const std::vector<int64_t>& shape) override;
+  Tensor upload_i32(const int32_t* host, const std::vector<int64_t>& shape) override;
+  void download_f32(const Tensor& t, float* host) override;
+  void synchronize() override {}
+
+  void embedding(const Tensor& table, const Tensor& ids, Tensor& out) override;
+  void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) override;
+  void add_rms_norm(Tensor& residual, const Tensor& x, const Tensor& w, float eps,
+                    Tensor& out) override;
+  void linear(const Tensor& x, const Tensor& w, Tensor& out) override;
+  void silu_mul(const Tensor& gate_up, Tensor& out) override;
+  void add(const Tensor& a, const Tensor& b, Tensor& out) override;
+  void qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, float eps,
+                     const Tensor& positions, const Tensor& inv_freq, float rope_scale,
+                     Tensor& q, Tensor& k, Tensor& v) override;
+  void kv_write(KVPool& pool, int64_t layer, const Tensor& k, const Tensor& v,
+                const Tensor& slots) override;
+  void paged_attention(const Tensor& q, const KVPool& pool, int64_t layer,
+                       const AttentionMeta& meta, Tensor& out) override;
+  void copy_columns(const Tensor& src, Tensor& dst, int64_t col) override;
+  void gather_rows(const Tensor& x, const Tensor& rows, Tensor& out) override;
+  void sample(const Tensor& logits, const std::vector<SampleRow>& rows,
+              int32_t* tokens_out) override;
+
+ private:
+  int num_threads_;
+};
+
+// One row of sampling on the host (shared with tests and other host code).
+// logits[V] fp32; returns the token id.
+int32_t sample_row_host(const float* logits, int64_t vocab, const SampleRow& row);
+
+}  // namespace dflash

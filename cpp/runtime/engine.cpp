@@ -1,0 +1,196 @@
+// The engine step and request validation (see engine.h).
+#include "runtime/engine.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace dflash {
+
+Engine::Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocator& allocator,
+               const SchedulerConfig& sched, int64_t max_model_len)
+    : model_(model),
+      backend_(backend),
+      pool_(pool),
+      allocator_(allocator),
+      scheduler_(sched, allocator),
+      max_model_len_(max_model_len) {}
+
+int64_t Engine::add_request(RequestInput input) {
+  const ModelConfig& c = model_.config();
+  const int64_t vocab = c.vocab_size;
+  const int64_t prompt = static_cast<int64_t>(input.prompt.size());
+  const SamplingConfig& s = input.sampling;
+  DFLASH_ARG_CHECK(prompt > 0, "the prompt is empty");
+  DFLASH_ARG_CHECK(prompt < max_model_len_, "the prompt has ", prompt,
+                   " tokens, which does not fit max_model_len=", max_model_len_,
+                   " (it must leave room for at least one new token)");
+  for (int32_t t : input.prompt) {
+    DFLASH_ARG_CHECK(t >= 0 && t < vocab, "prompt token id ", t, " is outside the vocabulary [0, ",
+                     vocab, ")");
+  }
+  for (int32_t t : s.stop_token_ids) {
+    DFLASH_ARG_CHECK(t >= 0 && t < vocab, "stop token id ", t, " is outside the vocabulary [0, ",
+                     vocab, ")");
+  }
+  for (int32_t t : input.forced_tokens) {
+    DFLASH_ARG_CHECK(t >= 0 && t < vocab, "forced token id ", t, " is outside the vocabulary");
+  }
+  DFLASH_ARG_CHECK(s.max_tokens >= 1, "max_tokens must be >= 1, got ", s.max_tokens);
+  DFLASH_ARG_CHECK(std::isfinite(s.temperature) && s.temperature >= 0.0f,
+                   "temperature must be a finite number >= 0, got ", s.temperature);
+  DFLASH_ARG_CHECK(s.top_p > 0.0f && s.top_p <= 1.0f, "top_p must be in (0, 1], got ", s.top_p);
+  DFLASH_ARG_CHECK(s.top_k >= 0, "top_k must be >= 0 (0 disables it), got ", s.top_k);
+
+  auto req = std::make_unique<Request>(scheduler_.config().block_size);
+  req->id = next_id_++;
+  req->max_new_tokens = std::min<int64_t>(s.max_tokens, max_model_len_ - prompt);
+  req->input = std::move(input);
+  const int64_t blocks =
+      BlockTable::blocks_for(scheduler_.reserved_tokens(*req), scheduler_.config().block_size);
+  DFLASH_ARG_CHECK(blocks <= allocator_.num_blocks(), "the request needs ",
+                   scheduler_.reserved_tokens(*req), " KV cache slots (prompt ", prompt,
+                   " + max_tokens ", req->max_new_tokens, ") but the cache holds only ",
+                   allocator_.num_blocks() * scheduler_.config().block_size,
+                   "; raise kv_cache_tokens or lower max_tokens");
+  req->metrics.prompt_tokens = prompt;
+  req->arrival = Clock::now();
+  const int64_t id = req->id;
+  scheduler_.add(std::move(req));
+  return id;
+}
+
+std::string Engine::stop_reason(const Request& req, int32_t token) const {
+  const SamplingConfig& s = req.input.sampling;
+  const auto& eos = model_.config().eos_token_ids;
+  if (!s.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end()) return "stop";
+  if (std::find(s.stop_token_ids.begin(), s.stop_token_ids.end(), token) !=
+      s.stop_token_ids.end()) {
+    return "stop";
+  }
+  if (static_cast<int64_t>(req.output.size()) >= req.max_new_tokens) return "length";
+  return "";
+}
+
+std::vector<StepOutput> Engine::step() {
+  std::vector<Request*> running = scheduler_.schedule();
+  std::vector<StepOutput> outputs;
+  if (running.empty()) return outputs;
+
+  // Build the ragged batch: every token not yet in the cache (the whole prompt for a new
+  // request, the last sampled token otherwise).
+  ForwardBatch batch;
+  int max_blocks = 0;
+  for (Request* r : running) {
+    max_blocks = std::max<int>(max_blocks, static_cast<int>(r->blocks.blocks().size()));
+  }
+  batch.max_blocks_per_seq = max_blocks;
+  batch.query_start.push_back(0);
+  std::vector<int64_t> sample_row(running.size());  // index into logit_rows
+  std::vector<int64_t> first_logit_row(running.size());
+  for (size_t i = 0; i < running.size(); ++i) {
+    Request* r = running[i];
+    const int64_t start = r->num_computed, end = r->num_tokens();
+    const int64_t row0 = batch.num_tokens();
+    for (int64_t pos = start; pos < end; ++pos) {
+      batch.token_ids.push_back(r->token_at(pos));
+      batch.positions.push_back(static_cast<int32_t>(pos));
+      batch.slots.push_back(r->blocks.slot(pos));
+    }
+    r->blocks.append(end - start);
+    batch.query_start.push_back(static_cast<int32_t>(batch.num_tokens()));
+    batch.kv_len.push_back(static_cast<int32_t>(end));
+    std::vector<int32_t> row(r->blocks.blocks());
+    row.resize(max_blocks, 0);
+    batch.block_table.insert(batch.block_table.end(), row.begin(), row.end());
+    first_logit_row[i] = static_cast<int64_t>(batch.logit_rows.size());
+    const bool all_rows = r->input.record_prompt_logits && start == 0;
+    for (int64_t t = all_rows ? row0 : batch.num_tokens() - 1; t < batch.num_tokens(); ++t) {
+      batch.logit_rows.push_back(static_cast<int32_t>(t));
+    }
+    sample_row[i] = static_cast<int64_t>(batch.logit_rows.size()) - 1;
+    batch.want_taps = batch.want_taps || r->input.record_taps;
+  }
+
+  ForwardResult fwd = model_.forward(batch, pool_);
+  const int64_t vocab = model_.config().vocab_size;
+
+  // Sample one token per request from its last row.
+  std::vector<SampleRow> rows(running.size());
+  for (size_t i = 0; i < running.size(); ++i) {
+    const Request* r = running[i];
+    rows[i].temperature = r->input.sampling.temperature;
+    rows[i].top_k = r->input.sampling.top_k;
+    rows[i].top_p = r->input.sampling.top_p;
+    rows[i].seed = r->input.sampling.seed;
+    rows[i].position = r->num_tokens();
+  }
+  std::vector<int32_t> sampled(running.size());
+  const bool logits_are_sample_rows =
+      static_cast<int64_t>(batch.logit_rows.size()) == static_cast<int64_t>(running.size());
+  if (logits_are_sample_rows) {
+    backend_.sample(fwd.logits, rows, sampled.data());
+  } else {
+    std::vector<int32_t> idx(sample_row.begin(), sample_row.end());
+    Tensor picked = backend_.empty({static_cast<int64_t>(idx.size()), vocab}, DType::kF32);
+    backend_.gather_rows(fwd.logits,
+                         backend_.upload_i32(idx.data(), {static_cast<int64_t>(idx.size())}),
+                         picked);
+    backend_.sample(picked, rows, sampled.data());
+  }
+
+  // Recordings (tests and debugging) copy to the host.
+  bool any_record = false;
+  for (Request* r : running) any_record = any_record || r->input.record_logits || r->input.record_taps;
+  std::vector<float> host_logits, host_taps;
+  if (any_record) {
+    host_logits.resize(fwd.logits.numel());
+    backend_.download_f32(fwd.logits, host_logits.data());
+    if (!fwd.taps.empty()) {
+      host_taps.resize(fwd.taps.numel());
+      backend_.download_f32(fwd.taps, host_taps.data());
+    }
+  }
+
+  const Clock::time_point now = Clock::now();
+  stats_.num_steps += 1;
+  stats_.num_forward_tokens += batch.num_tokens();
+  for (size_t i = 0; i < running.size(); ++i) {
+    Request* r = running[i];
+    const int64_t fed_from = r->num_computed;
+    r->num_computed = r->num_tokens();
+    if (r->input.record_logits) {
+      const int64_t n = sample_row[i] + 1 - first_logit_row[i];
+      r->logits.insert(r->logits.end(), host_logits.begin() + first_logit_row[i] * vocab,
+                       host_logits.begin() + (first_logit_row[i] + n) * vocab);
+    }
+    if (r->input.record_taps && !host_taps.empty()) {
+      const int64_t width = fwd.taps.dim(1);
+      const int64_t row0 = batch.query_start[i];
+      const int64_t n = r->num_computed - fed_from;
+      r->taps.insert(r->taps.end(), host_taps.begin() + row0 * width,
+                     host_taps.begin() + (row0 + n) * width);
+    }
+    const size_t step_idx = r->output.size();
+    const int32_t token = step_idx < r->input.forced_tokens.size()
+                              ? r->input.forced_tokens[step_idx]
+                              : sampled[i];
+    r->output.push_back(token);
+    r->metrics.num_steps += 1;
+    if (r->output.size() == 1) r->first_token = now;
+    stats_.num_generated_tokens += 1;
+    StepOutput out;
+    out.request_id = r->id;
+    out.new_tokens.push_back(token);
+    const std::string reason = stop_reason(*r, token);
+    if (!reason.empty()) {
+      out.finished = true;
+      out.finish_reason = reason;
+      scheduler_.finish(r, reason);
+      stats_.num_requests_finished += 1;
+    }
+    outputs.push_back(std::move(out));
+  }
+  return outputs;
+}
+
+}  // namespace dflash

@@ -1,0 +1,80 @@
+// A generation request as the runtime sees it: token ids in, token ids out, its sampling
+// parameters, its KV blocks, its metrics, and test/debug hooks (forced tokens, recorded logits
+// and hidden-state taps).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kv_cache/block_allocator.h"
+
+namespace dflash {
+
+using Clock = std::chrono::steady_clock;
+
+struct SamplingConfig {
+  int64_t max_tokens = 256;
+  float temperature = 0.0f;
+  float top_p = 1.0f;
+  int32_t top_k = 0;
+  uint64_t seed = 0;
+  std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
+  bool ignore_eos = false;              // benchmarks: run to max_tokens
+};
+
+struct RequestInput {
+  std::vector<int32_t> prompt;
+  SamplingConfig sampling;
+  // Debug/test hooks (not part of the public Python API):
+  std::vector<int32_t> forced_tokens;  // emit these instead of sampling (teacher forcing)
+  bool record_logits = false;          // keep the logits of every sampled position
+  bool record_prompt_logits = false;   // ...and of every prompt position
+  bool record_taps = false;            // keep the hidden-state taps of every row
+};
+
+struct RequestMetrics {
+  int64_t prompt_tokens = 0;
+  int64_t generated_tokens = 0;
+  int64_t num_steps = 0;
+  double time_to_first_token_s = 0.0;  // from add_request to the first token
+  double decode_tokens_per_s = 0.0;    // tokens after the first / time after the first
+  double total_time_s = 0.0;
+};
+
+enum class RequestStatus { kWaiting, kRunning, kFinished };
+
+struct Request {
+  int64_t id = 0;
+  RequestInput input;
+  std::vector<int32_t> output;   // generated tokens
+  int64_t max_new_tokens = 0;    // after clamping to max_model_len
+  int64_t num_computed = 0;      // tokens whose K/V are in the cache
+  BlockTable blocks;
+  RequestStatus status = RequestStatus::kWaiting;
+  std::string finish_reason;     // "stop", "length" or "abort"
+  RequestMetrics metrics;
+  Clock::time_point arrival, first_token, finished_at;
+  std::vector<float> logits;     // [num recorded rows, V] when recording
+  std::vector<float> taps;       // [num rows, taps * H] when recording
+
+  explicit Request(int64_t block_size) : blocks(block_size) {}
+  int64_t num_tokens() const {
+    return static_cast<int64_t>(input.prompt.size() + output.size());
+  }
+  int32_t token_at(int64_t pos) const {
+    const int64_t np = static_cast<int64_t>(input.prompt.size());
+    return pos < np ? input.prompt[pos] : output[pos - np];
+  }
+};
+
+// What one step produced for one request.
+struct StepOutput {
+  int64_t request_id = 0;
+  std::vector<int32_t> new_tokens;
+  bool finished = false;
+  std::string finish_reason;
+};
+
+}  // namespace dflash

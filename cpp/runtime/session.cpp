@@ -1,0 +1,124 @@
+// Session construction (config, weights, backend, KV cache sizing) and result collection.
+#include "runtime/session.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <thread>
+
+namespace dflash {
+
+namespace {
+
+int64_t host_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : (int64_t{8} << 30);
+}
+
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+}  // namespace
+
+Session::Session(const std::string& model_dir, const SessionConfig& config)
+    : session_config_(config) {
+  DFLASH_ARG_CHECK(config.block_size >= 1 && config.block_size <= 1024,
+                   "block_size must be in [1, 1024], got ", config.block_size);
+  DFLASH_ARG_CHECK(config.max_num_seqs >= 1, "max_num_seqs must be >= 1");
+  DFLASH_ARG_CHECK(config.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1");
+  DFLASH_ARG_CHECK(config.max_model_len >= 0, "max_model_len must be positive");
+  DFLASH_ARG_CHECK(config.kv_cache_tokens >= 0, "kv_cache_tokens must be positive");
+  config_ = model_config_load(model_dir);
+  int threads = config.num_threads > 0
+                    ? config.num_threads
+                    : std::max(1u, std::thread::hardware_concurrency());
+  backend_ = backend_create(config.device, threads);
+  checkpoint_ = std::make_unique<Checkpoint>(model_dir);
+  model_ = std::make_unique<Transformer>(config_, *checkpoint_, *backend_, config.tap_layers);
+  if (backend_->kind() == DeviceKind::kCPU) {
+    checkpoint_.reset();  // weights were copied to fp32; drop the mappings
+  }
+
+  max_model_len_ = config.max_model_len > 0 ? config.max_model_len
+                                            : config_.max_position_embeddings;
+  const int64_t bytes_per_token = 2 * config_.num_layers * config_.num_kv_heads *
+                                  config_.head_dim * dtype_size(backend_->compute_dtype());
+  int64_t kv_tokens = config.kv_cache_tokens;
+  if (kv_tokens == 0) {
+    // Enough for one request of max_model_len and for batching; pages are touched lazily,
+    // but stay within 40 % of host memory.
+    const int64_t budget = host_memory_bytes() * 2 / 5 / bytes_per_token;
+    kv_tokens = std::max<int64_t>(max_model_len_, 32768);
+    kv_tokens = std::min(kv_tokens, budget);
+    DFLASH_ARG_CHECK(kv_tokens >= std::min<int64_t>(max_model_len_, 4096),
+                     "not enough memory for a KV cache of max_model_len=", max_model_len_,
+                     " tokens; pass a smaller max_model_len");
+  }
+  const int64_t num_blocks = BlockTable::blocks_for(kv_tokens, config.block_size);
+  allocator_ = std::make_unique<BlockAllocator>(num_blocks);
+  pool_ = model_->make_kv_pool(num_blocks, config.block_size);
+
+  SchedulerConfig sched;
+  sched.block_size = config.block_size;
+  sched.max_num_seqs = config.max_num_seqs;
+  sched.max_num_batched_tokens = config.max_num_batched_tokens;
+  engine_ = std::make_unique<Engine>(*model_, *backend_, pool_, *allocator_, sched, max_model_len_);
+}
+
+RequestResult Session::take_result(int64_t id) {
+  std::unique_ptr<Request> r = engine_->take_finished(id);
+  DFLASH_ARG_CHECK(r != nullptr, "request ", id, " is not finished (or was already taken)");
+  RequestResult out;
+  out.request_id = r->id;
+  out.prompt = std::move(r->input.prompt);
+  out.token_ids = std::move(r->output);
+  out.finish_reason = r->finish_reason;
+  out.metrics = r->metrics;
+  out.metrics.generated_tokens = static_cast<int64_t>(out.token_ids.size());
+  if (!out.token_ids.empty()) {
+    out.metrics.time_to_first_token_s = seconds_between(r->arrival, r->first_token);
+    const double decode_s = seconds_between(r->first_token, r->finished_at);
+    if (out.token_ids.size() > 1 && decode_s > 0) {
+      out.metrics.decode_tokens_per_s = (out.token_ids.size() - 1) / decode_s;
+    }
+  }
+  out.metrics.total_time_s = seconds_between(r->arrival, r->finished_at);
+  out.logits = std::move(r->logits);
+  out.taps = std::move(r->taps);
+  return out;
+}
+
+std::vector<RequestResult> Session::generate(std::vector<RequestInput> inputs) {
+  std::vector<int64_t> ids;
+  try {
+    for (auto& in : inputs) ids.push_back(add_request(std::move(in)));
+    while (has_unfinished()) step();
+  } catch (...) {
+    for (int64_t id : ids) {
+      engine_->abort(id);
+      engine_->take_finished(id);
+    }
+    throw;
+  }
+  std::vector<RequestResult> out;
+  for (int64_t id : ids) out.push_back(take_result(id));
+  return out;
+}
+
+SessionStats Session::stats() const {
+  SessionStats s;
+  s.device = backend_->name();
+  s.weight_bytes = static_cast<int64_t>(model_->weight_bytes());
+  s.kv_cache_bytes = static_cast<int64_t>(pool_.k.nbytes() + pool_.v.nbytes());
+  s.block_size = session_config_.block_size;
+  s.num_blocks = allocator_->num_blocks();
+  s.num_free_blocks = allocator_->num_free();
+  s.kv_cache_tokens = s.num_blocks * s.block_size;
+  s.max_model_len = max_model_len_;
+  s.num_threads = backend_->num_threads();
+  s.engine = engine_->stats();
+  return s;
+}
+
+}  // namespace dflash

@@ -1,0 +1,80 @@
+// Session: the one object a user of the runtime holds. It loads a model directory onto a
+// backend, sizes the paged KV cache, and drives the engine: add requests, step, collect
+// results. Used by the Python binding and directly from C++. Not thread-safe.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "config/model_config.h"
+#include "kv_cache/block_allocator.h"
+#include "model/transformer.h"
+#include "runtime/engine.h"
+#include "weights/safetensors.h"
+
+namespace dflash {
+
+struct SessionConfig {
+  std::string device = "cpu";          // "cpu" (the CUDA backend comes in a later issue)
+  int64_t max_model_len = 0;           // 0: the model's max_position_embeddings
+  int64_t kv_cache_tokens = 0;         // 0: a default from max_model_len and host memory
+  int64_t block_size = 16;
+  int64_t max_num_seqs = 256;
+  int64_t max_num_batched_tokens = 8192;
+  int num_threads = 0;                 // 0: all hardware threads
+  std::vector<int> tap_layers;         // hidden-state taps (the drafter's target_layer_ids)
+};
+
+struct RequestResult {
+  int64_t request_id = 0;
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> token_ids;
+  std::string finish_reason;
+  RequestMetrics metrics;
+  std::vector<float> logits;  // [rows, vocab] when recorded
+  std::vector<float> taps;    // [rows, taps * hidden] when recorded
+};
+
+struct SessionStats {
+  std::string device;
+  int64_t weight_bytes = 0;
+  int64_t kv_cache_bytes = 0;
+  int64_t kv_cache_tokens = 0;
+  int64_t block_size = 0;
+  int64_t num_blocks = 0;
+  int64_t num_free_blocks = 0;
+  int64_t max_model_len = 0;
+  int num_threads = 0;
+  EngineStats engine;
+};
+
+class Session {
+ public:
+  Session(const std::string& model_dir, const SessionConfig& config);
+
+  const ModelConfig& model_config() const { return config_; }
+  int64_t add_request(RequestInput input) { return engine_->add_request(std::move(input)); }
+  std::vector<StepOutput> step() { return engine_->step(); }
+  bool abort(int64_t id) { return engine_->abort(id); }
+  bool has_unfinished() const { return engine_->has_unfinished(); }
+  // Moves a finished request's result out; throws InvalidArgument if it is not finished.
+  RequestResult take_result(int64_t id);
+  // Runs the given requests to completion (C++ convenience; Python drives step() itself).
+  std::vector<RequestResult> generate(std::vector<RequestInput> inputs);
+  SessionStats stats() const;
+
+ private:
+  ModelConfig config_;
+  SessionConfig session_config_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Checkpoint> checkpoint_;
+  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<BlockAllocator> allocator_;
+  KVPool pool_;
+  std::unique_ptr<Engine> engine_;
+  int64_t max_model_len_ = 0;
+};
+
+}  // namespace dflash

@@ -1,0 +1,260 @@
+"""Session: the Python face of the C++ runtime. It owns the text side (tokenizer, chat
+template, stop strings) and drives the C++ engine in token ids, with the GIL released while
+C++ runs."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+from dflash import _core
+from dflash.outputs import RequestMetrics, RequestOutput
+from dflash.params import SamplingParams
+from dflash.tokenizer import Tokenizer
+
+Message = Dict[str, Any]
+PromptLike = Union[str, Sequence[int], Sequence[Message]]
+
+# Keyword arguments of Session beyond the named ones, with their C++ config field.
+_RUNTIME_KWARGS = {
+    "block_size": "block_size",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "num_threads": "num_threads",
+}
+
+
+@dataclass
+class _Prompt:
+    text: Optional[str]
+    token_ids: List[int]
+
+
+@dataclass
+class _Live:
+    index: int
+    prompt: _Prompt
+    params: SamplingParams
+    decoder: Any
+    stopped_by_string: bool = False
+    stop_text_end: Optional[int] = None
+
+
+def _resolve_device(device: str) -> str:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "auto":
+        return "cuda" if _core.built_with_cuda() else "cpu"
+    return device
+
+
+class Session:
+    """A loaded model ready to generate.
+
+    Session(model_dir, *, device="auto", max_model_len=None, kv_cache_tokens=None, **kwargs)
+
+    model_dir: a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+    device: "cpu", "cuda" or "auto" (CUDA when this build has it, else the CPU).
+    max_model_len: longest prompt + generation (default: the model's max_position_embeddings).
+    kv_cache_tokens: size of the paged KV cache in tokens (default: from max_model_len and
+        memory).
+    kwargs: block_size, max_num_seqs, max_num_batched_tokens, num_threads. Unknown keywords
+        raise TypeError.
+    """
+
+    def __init__(
+        self,
+        model_dir: Union[str, os.PathLike],
+        *,
+        device: str = "auto",
+        max_model_len: Optional[int] = None,
+        kv_cache_tokens: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        unknown = sorted(set(kwargs) - set(_RUNTIME_KWARGS))
+        if unknown:
+            raise TypeError(f"Session() got unexpected keyword argument(s): {', '.join(unknown)}")
+        model_dir = os.fspath(model_dir)
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"model directory not found: {model_dir}")
+        config = _core.SessionConfig()
+        config.device = _resolve_device(device)
+        for name, value in (("max_model_len", max_model_len), ("kv_cache_tokens", kv_cache_tokens)):
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                setattr(config, name, value)
+        for name, value in kwargs.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            setattr(config, _RUNTIME_KWARGS[name], value)
+        self.model_dir = model_dir
+        self.tokenizer = Tokenizer.from_model_dir(model_dir)
+        self._core = _core.Session(model_dir, config)
+        self.model_config = self._core.model_config
+
+    # ------------------------------------------------------------------ inputs
+    def _to_prompt(self, item: Any) -> _Prompt:
+        if isinstance(item, str):
+            return _Prompt(item, self.tokenizer.encode(item, add_special_tokens=True))
+        if isinstance(item, (list, tuple)) and item and all(isinstance(m, dict) for m in item):
+            text = self.tokenizer.apply_chat_template(list(item), add_generation_prompt=True)
+            return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+        if isinstance(item, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in item
+        ):
+            if not item:
+                raise ValueError("a prompt of token ids is empty")
+            return _Prompt(None, [int(t) for t in item])
+        raise ValueError(
+            "each prompt must be a str, a list of token ids, or a list of chat messages "
+            f"({{'role': ..., 'content': ...}} dicts); got {type(item).__name__}"
+        )
+
+    def _to_prompts(self, prompts: Any) -> List[_Prompt]:
+        if isinstance(prompts, str):
+            return [self._to_prompt(prompts)]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a str or a list, got {type(prompts).__name__}")
+        if prompts and all(isinstance(m, dict) for m in prompts):  # one conversation
+            return [self._to_prompt(prompts)]
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            raise ValueError("a flat list of ints is ambiguous: pass [[ids...]] for one prompt")
+        return [self._to_prompt(p) for p in prompts]
+
+    def _sampling_config(self, p: SamplingParams) -> Any:
+        s = _core.SamplingConfig()
+        s.max_tokens = p.max_tokens
+        s.temperature = float(p.temperature)
+        s.top_p = float(p.top_p)
+        s.top_k = int(p.top_k)
+        s.seed = p.seed if p.seed is not None else secrets.randbits(63)
+        s.stop_token_ids = list(p.stop_token_ids or [])
+        return s
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompts: Union[PromptLike, Sequence[PromptLike]],
+        params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+    ) -> List[RequestOutput]:
+        """Generates for every prompt together (continuous batching); outputs in prompt order.
+
+        prompts: a str, a list of str, a list of token-id lists, or chat messages (a list of
+        {"role", "content"} dicts, or a list of such lists), rendered with the model's chat
+        template. params: one SamplingParams for all prompts, or one per prompt.
+        """
+        return self._generate(prompts, params)
+
+    def _generate(
+        self,
+        prompts: Any,
+        params: Any = None,
+        on_finish: Optional[Callable[[RequestOutput], None]] = None,
+        request_hooks: Optional[Callable[[Any], None]] = None,
+        results: Optional[List[Any]] = None,
+    ) -> List[RequestOutput]:
+        items = self._to_prompts(prompts)
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            per_prompt = [params] * len(items)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(items) or not all(isinstance(p, SamplingParams) for p in per_prompt):
+                raise ValueError("params must be a SamplingParams or a list of one per prompt")
+        live: Dict[int, _Live] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(items, per_prompt)):
+                req = _core.RequestInput()
+                req.prompt = prompt.token_ids
+                req.sampling = self._sampling_config(p)
+                if request_hooks is not None:
+                    request_hooks(req)
+                rid = self._core.add_request(req)
+                live[rid] = _Live(i, prompt, p, self.tokenizer.incremental_decoder(True))
+            outputs: List[Optional[RequestOutput]] = [None] * len(items)
+            while self._core.has_unfinished():
+                for step in self._core.step():
+                    self._on_step(step, live, outputs, on_finish, results)
+        except BaseException:
+            # Leave the session as it was: no request of this call stays queued or holds blocks.
+            for rid in list(live):
+                self._core.abort(rid)
+                try:
+                    self._core.take_result(rid)
+                except ValueError:
+                    pass
+            raise
+        return [o for o in outputs if o is not None]
+
+    def _on_step(self, step: Any, live: Dict[int, _Live], outputs: list, on_finish, results) -> None:
+        entry = live.get(step.request_id)
+        if entry is None:
+            return
+        finished = step.finished
+        stops = entry.params.stop
+        if stops:
+            before = len(entry.decoder.text)
+            entry.decoder.push(step.new_tokens)
+            text = entry.decoder.text
+            start = max(0, before - max(len(s) for s in stops) + 1)
+            hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+            if hits:
+                entry.stopped_by_string = True
+                entry.stop_text_end = min(hits)
+                if not finished:
+                    self._core.abort(step.request_id)
+                finished = True
+        if not finished:
+            return
+        result = self._core.take_result(step.request_id)
+        del live[step.request_id]
+        out = self._make_output(entry, result)
+        outputs[entry.index] = out
+        if results is not None:
+            results.append(result)
+        if on_finish is not None:
+            on_finish(out)
+
+    def _make_output(self, entry: _Live, result: Any) -> RequestOutput:
+        token_ids = list(result.token_ids)
+        if entry.stopped_by_string:
+            text = entry.decoder.text[: entry.stop_text_end]
+            reason = "stop"
+        else:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            reason = result.finish_reason
+        m = result.metrics
+        metrics = RequestMetrics(
+            prompt_tokens=m.prompt_tokens,
+            generated_tokens=m.generated_tokens,
+            time_to_first_token=m.time_to_first_token_s,
+            decode_tokens_per_s=m.decode_tokens_per_s,
+            total_time=m.total_time_s,
+            num_steps=m.num_steps,
+        )
+        return RequestOutput(entry.prompt.text, entry.prompt.token_ids, text, token_ids, reason, metrics)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> Dict[str, Any]:
+        """Memory and counters: weight/KV bytes, KV blocks (total and free), engine counters."""
+        s = self._core.stats()
+        e = s.engine
+        return {
+            "device": s.device,
+            "weight_bytes": s.weight_bytes,
+            "kv_cache_bytes": s.kv_cache_bytes,
+            "kv_cache_tokens": s.kv_cache_tokens,
+            "block_size": s.block_size,
+            "num_blocks": s.num_blocks,
+            "num_free_blocks": s.num_free_blocks,
+            "max_model_len": s.max_model_len,
+            "num_threads": s.num_threads,
+            "num_steps": e.num_steps,
+            "num_forward_tokens": e.num_forward_tokens,
+            "num_generated_tokens": e.num_generated_tokens,
+            "num_requests_finished": e.num_requests_finished,
+        }
