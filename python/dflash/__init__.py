@@ -4,7 +4,7 @@ Public API: Session, SamplingParams, RequestOutput, RequestMetrics, DFlashError.
 """
 
 from dflash.errors import DFlashError
-from dflash._blas import preload_openblas as _preload_openblas
+from dflash._blas import preload_openblas as _preload_openblas  # noqa: E402
 
 _preload_openblas()
 

@@ -1,8 +1,6 @@
 // CPU paged attention: for each query row and head, softmax(q k^T / sqrt(hd)) v over the keys
 // of its sequence, read through the block table. Causal with a query offset (prefill, decode,
 // verify) or non-causal (the drafter's block attends to its whole context and block).
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -29,12 +27,10 @@ void CpuBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t la
     for (int32_t t = qs[s]; t < qs[s + 1]; ++t) seq_of_row[t] = s;
   }
 
-#pragma omp parallel
-  {
+  parallel(tokens * nh, std::max(meta.max_kv_len, 1) * hd * 2, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(meta.max_kv_len > 0 ? meta.max_kv_len : 1);
     std::vector<float> acc(hd);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < tokens * nh; ++item) {
+    for (int64_t item = i0; item < i1; ++item) {
       const int64_t t = item / nh, h = item % nh;
       const int s = seq_of_row[t];
       const int64_t num_q = qs[s + 1] - qs[s];
@@ -69,7 +65,7 @@ void CpuBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t la
       const float inv = 1.0f / denom;
       for (int64_t d = 0; d < hd; ++d) o[d] = acc[d] * inv;
     }
-  }
+  });
 }
 
 }  // namespace dflash

@@ -3,7 +3,6 @@
 #include "backend/cpu/cpu_backend.h"
 
 #include <cblas.h>
-#include <omp.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -47,7 +46,17 @@ void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* o
 CpuBackend::CpuBackend(int num_threads) : num_threads_(num_threads) {
   DFLASH_ARG_CHECK(num_threads >= 1, "num_threads must be >= 1, got ", num_threads);
   scipy_openblas_set_num_threads(num_threads);
-  omp_set_num_threads(num_threads);
+  pool_ = std::make_unique<ThreadPool>(num_threads);
+}
+
+void CpuBackend::parallel(int64_t n, int64_t work_per_item,
+                          const std::function<void(int64_t, int64_t)>& fn) {
+  constexpr int64_t kMinParallelWork = 1 << 15;  // below this, waking threads costs more
+  if (n * work_per_item < kMinParallelWork) {
+    fn(0, n);
+  } else {
+    pool_->parallel_for(n, fn);
+  }
 }
 
 Tensor CpuBackend::empty(const std::vector<int64_t>& shape, DType dtype) {
@@ -106,22 +115,24 @@ void CpuBackend::embedding(const Tensor& table, const Tensor& ids, Tensor& out) 
 
 void CpuBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
   const int64_t h = w.numel(), rows = x.numel() / h;
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    rms_norm_row(x.ptr<float>() + r * h, w.ptr<float>(), eps, h, out.ptr<float>() + r * h);
-  }
+  parallel(rows, h, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      rms_norm_row(x.ptr<float>() + r * h, w.ptr<float>(), eps, h, out.ptr<float>() + r * h);
+    }
+  });
 }
 
 void CpuBackend::add_rms_norm(Tensor& residual, const Tensor& x, const Tensor& w, float eps,
                               Tensor& out) {
   const int64_t h = w.numel(), rows = residual.numel() / h;
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    float* res = residual.ptr<float>() + r * h;
-    const float* xr = x.ptr<float>() + r * h;
-    for (int64_t i = 0; i < h; ++i) res[i] += xr[i];
-    rms_norm_row(res, w.ptr<float>(), eps, h, out.ptr<float>() + r * h);
-  }
+  parallel(rows, h, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* res = residual.ptr<float>() + r * h;
+      const float* xr = x.ptr<float>() + r * h;
+      for (int64_t i = 0; i < h; ++i) res[i] += xr[i];
+      rms_norm_row(res, w.ptr<float>(), eps, h, out.ptr<float>() + r * h);
+    }
+  });
 }
 
 void CpuBackend::linear(const Tensor& x, const Tensor& w, Tensor& out) {
@@ -140,13 +151,14 @@ void CpuBackend::linear(const Tensor& x, const Tensor& w, Tensor& out) {
 
 void CpuBackend::silu_mul(const Tensor& gate_up, Tensor& out) {
   const int64_t inter = out.dim(-1), rows = out.numel() / inter;
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = gate_up.ptr<float>() + r * 2 * inter;
-    const float* u = g + inter;
-    float* o = out.ptr<float>() + r * inter;
-    for (int64_t i = 0; i < inter; ++i) o[i] = silu(g[i]) * u[i];
-  }
+  parallel(rows, inter * 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = gate_up.ptr<float>() + r * 2 * inter;
+      const float* u = g + inter;
+      float* o = out.ptr<float>() + r * inter;
+      for (int64_t i = 0; i < inter; ++i) o[i] = silu(g[i]) * u[i];
+    }
+  });
 }
 
 void CpuBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
@@ -160,8 +172,8 @@ void CpuBackend::qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm, const Te
   const int64_t tokens = q.dim(0), nh = q.dim(1), hd = q.dim(2), nkv = k.dim(1);
   const int64_t width = (nh + 2 * nkv) * hd, half = hd / 2;
   const float* inv = inv_freq.ptr<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < tokens; ++t) {
+  parallel(tokens, width * 4, [&](int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
     const float* row = qkv.ptr<float>() + t * width;
     const float pos = static_cast<float>(positions.ptr<int32_t>()[t]);
     std::vector<float> cos_t(half), sin_t(half), tmp(hd);
@@ -187,6 +199,7 @@ void CpuBackend::qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm, const Te
       norm_rope(row + (nh + h) * hd, k_norm, k.ptr<float>() + (t * nkv + h) * hd);
     std::memcpy(v.ptr<float>() + t * nkv * hd, row + (nh + nkv) * hd, nkv * hd * sizeof(float));
   }
+  });
 }
 
 void CpuBackend::kv_write(KVPool& pool, int64_t layer, const Tensor& k, const Tensor& v,

@@ -3,7 +3,11 @@
 // backend and what CI runs end to end.
 #pragma once
 
+#include <functional>
+#include <memory>
+
 #include "backend/backend.h"
+#include "common/thread_pool.h"
 
 namespace dflash {
 
@@ -44,7 +48,11 @@ class CpuBackend final : public Backend {
               int32_t* tokens_out) override;
 
  private:
+  // Runs fn over [0, n) items on the pool when n * work_per_item is worth the wake-up.
+  void parallel(int64_t n, int64_t work_per_item, const std::function<void(int64_t, int64_t)>& fn);
+
   int num_threads_;
+  std::unique_ptr<ThreadPool> pool_;
 };
 
 // One row of sampling on the host (shared with tests and other host code).

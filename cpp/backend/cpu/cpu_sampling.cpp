@@ -78,10 +78,11 @@ void CpuBackend::sample(const Tensor& logits, const std::vector<SampleRow>& rows
                         int32_t* tokens_out) {
   const int64_t vocab = logits.dim(1);
   const int64_t n = static_cast<int64_t>(rows.size());
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < n; ++r) {
-    tokens_out[r] = sample_row_host(logits.ptr<float>() + r * vocab, vocab, rows[r]);
-  }
+  parallel(n, vocab * 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      tokens_out[r] = sample_row_host(logits.ptr<float>() + r * vocab, vocab, rows[r]);
+    }
+  });
 }
 
 }  // namespace dflash

@@ -1,0 +1,94 @@
+# tests/runtime_helpers.py
+#
+# Helpers for tests that drive the C++ runtime directly through dflash._core's test hooks:
+# teacher-forced decoding with recorded logits and hidden-state taps, and the leak check.
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def forced_run(session, prompt_ids: Sequence[int], forced_ids: Sequence[int], *, taps: bool = False):
+    """Prefill `prompt_ids`, then decode step by step feeding `forced_ids` (teacher forcing).
+
+    Returns (logits [len(prompt) + len(forced), V], taps or None, result). Row i of logits is
+    the distribution over the token at position i + 1 (prompt rows from the prefill, the rest
+    one per decode step).
+    """
+    from dflash import _core
+
+    req = _core.RequestInput()
+    req.prompt = list(prompt_ids)
+    req.forced_tokens = list(forced_ids) + [0]
+    req.record_logits = True
+    req.record_prompt_logits = True
+    req.record_taps = taps
+    s = _core.SamplingConfig()
+    s.max_tokens = len(forced_ids) + 1
+    s.ignore_eos = True
+    req.sampling = s
+    core = session._core
+    rid = core.add_request(req)
+    while core.has_unfinished():
+        core.step()
+    result = core.take_result(rid)
+    vocab = session.model_config.vocab_size
+    logits = result.logits(vocab)
+    tap_arr = None
+    if taps:
+        n_rows = len(prompt_ids) + len(forced_ids)
+        tap_flat = result.taps(1).reshape(-1)
+        tap_arr = tap_flat.reshape(n_rows, -1)
+    return logits, tap_arr, result
+
+
+class _CoreSession:
+    """A dflash.Session-like holder of a _core.Session built with runtime-only options."""
+
+    def __init__(self, core):
+        self._core = core
+        self.model_config = core.model_config
+
+    def stats(self):
+        st = self._core.stats()
+        return {"num_free_blocks": st.num_free_blocks, "num_blocks": st.num_blocks}
+
+
+def core_session(model_dir, *, tap_layers=(), num_threads=2, **config):
+    """A runtime session with hidden-state taps (not a public Session option yet)."""
+    from dflash import _core
+
+    cfg = _core.SessionConfig()
+    cfg.tap_layers = list(tap_layers)
+    cfg.num_threads = num_threads
+    for k, v in config.items():
+        setattr(cfg, k, v)
+    return _CoreSession(_core.Session(str(model_dir), cfg))
+
+
+def assert_no_leaks(session) -> None:
+    """Every KV block is back in the allocator and nothing is queued."""
+    st = session.stats()
+    assert st["num_free_blocks"] == st["num_blocks"], st
+    assert not session._core.has_unfinished()
+
+
+def greedy_hf(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids=None) -> list[int]:
+    """transformers' greedy generate; returns only the new tokens."""
+    import torch
+
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                  attention_mask=torch.ones_like(ids))
+    if eos_ids is not None:
+        kwargs["eos_token_id"] = list(eos_ids) if eos_ids else None
+    if eos_ids == []:
+        kwargs["eos_token_id"] = None
+    with torch.no_grad():
+        out = model.generate(ids, pad_token_id=0, **kwargs)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def max_abs(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
