@@ -1,0 +1,7 @@
+"""`python -m dflash` runs the `dflash` command line."""
+
+import sys
+
+from dflash.cli import main
+
+sys.exit(main())

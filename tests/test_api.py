@@ -1,0 +1,137 @@
+# tests/test_api.py
+#
+# The public Python API: names, prompt forms (str, list of str, token ids, chat messages),
+# outputs and metrics, stop strings, stats, stubs, and that the GIL is released while the C++
+# engine runs.
+from __future__ import annotations
+
+import importlib.resources
+import threading
+import time
+
+import pytest
+
+import dflash
+from tests.runtime_helpers import assert_no_leaks
+
+
+@pytest.fixture(scope="module")
+def sess(tiny_model_dirs):
+    return dflash.Session(tiny_model_dirs["llama_gqa"], device="cpu", num_threads=2)
+
+
+def test_public_names_and_build_info():
+    assert set(dflash.__all__) == {"Session", "SamplingParams", "RequestOutput", "RequestMetrics", "DFlashError"}
+    assert issubclass(dflash.DFlashError, RuntimeError)
+    assert dflash.built_with_cuda() is False
+    p = dflash.SamplingParams()
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.stop_token_ids) == (
+        256, 0.0, 1.0, 0, None, None, None)
+
+
+def test_stub_files_are_shipped():
+    files = importlib.resources.files("dflash")
+    assert files.joinpath("_core.pyi").is_file()
+    text = files.joinpath("_core.pyi").read_text()
+    assert "class Session" in text and "def step" in text
+
+
+def test_prompt_forms(sess):
+    params = dflash.SamplingParams(max_tokens=4)
+    one = sess.generate("hello world", params)
+    assert len(one) == 1 and one[0].prompt == "hello world"
+    assert one[0].prompt_token_ids == sess.tokenizer.encode("hello world")
+    many = sess.generate(["hello world", "the sea"], params)
+    assert [o.prompt for o in many] == ["hello world", "the sea"]
+    assert many[0].token_ids == one[0].token_ids
+    ids = sess.generate([one[0].prompt_token_ids], params)
+    assert ids[0].token_ids == one[0].token_ids and ids[0].prompt is None
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat = sess.generate(conv, params)
+    rendered = sess.tokenizer.apply_chat_template(conv, add_generation_prompt=True)
+    assert chat[0].prompt == rendered and rendered.endswith("<|im_start|>assistant\n")
+    assert chat[0].prompt_token_ids == sess.tokenizer.encode(rendered, add_special_tokens=False)
+    two = sess.generate([conv, [{"role": "user", "content": "yo"}]], params)
+    assert len(two) == 2 and two[0].token_ids == chat[0].token_ids
+    assert sess.generate([], params) == []
+    assert_no_leaks(sess)
+
+
+def test_output_fields_and_metrics(sess):
+    out = sess.generate("a b c", dflash.SamplingParams(max_tokens=6, stop_token_ids=[]))[0]
+    assert isinstance(out, dflash.RequestOutput)
+    assert isinstance(out.text, str) and isinstance(out.token_ids, list)
+    assert out.finish_reason in ("stop", "length")
+    m = out.metrics
+    assert isinstance(m, dflash.RequestMetrics)
+    assert m.prompt_tokens == len(out.prompt_token_ids)
+    assert m.generated_tokens == len(out.token_ids)
+    assert m.num_steps == len(out.token_ids)
+    assert 0 < m.time_to_first_token <= m.total_time
+    if len(out.token_ids) > 1:
+        assert m.decode_tokens_per_s > 0
+    assert out.text == sess.tokenizer.decode(out.token_ids)
+
+
+def test_stop_strings_cut_the_text(sess):
+    params = dflash.SamplingParams(max_tokens=40, stop_token_ids=[])
+    free = sess.generate("the", params)[0]
+    text = free.text
+    assert len(text) > 6, text
+    stop = text[3:6]
+    first = text.find(stop)
+    out = sess.generate("the", dflash.SamplingParams(max_tokens=40, stop_token_ids=[], stop=[stop, "\x00never"]))[0]
+    assert out.text == text[:first]
+    assert out.finish_reason == "stop"
+    assert len(out.token_ids) <= len(free.token_ids)
+    assert out.token_ids == free.token_ids[: len(out.token_ids)]
+    assert_no_leaks(sess)
+
+
+def test_params_per_prompt(sess):
+    outs = sess.generate(["x", "y"], [dflash.SamplingParams(max_tokens=2), dflash.SamplingParams(max_tokens=5)])
+    assert len(outs[0].token_ids) <= 2 and len(outs[1].token_ids) <= 5
+
+
+def test_stats(sess):
+    st = sess.stats()
+    for key in ("device", "weight_bytes", "kv_cache_bytes", "kv_cache_tokens", "num_blocks",
+                "num_free_blocks", "max_model_len", "num_steps", "num_generated_tokens"):
+        assert key in st
+    assert st["device"] == "cpu" and st["weight_bytes"] > 0
+    assert st["kv_cache_tokens"] == st["num_blocks"] * st["block_size"]
+
+
+def test_gil_is_released_during_generation(tiny_model_dirs):
+    s = dflash.Session(tiny_model_dirs["llama_gqa"], device="cpu", num_threads=1)
+    ticks = 0
+    stop = threading.Event()
+
+    def count():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0.0005)
+
+    # One long C++ call (Session construction + a long prefill) must let the other thread run.
+    from dflash import _core
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        req = _core.RequestInput()
+        req.prompt = [5] * 400
+        sc = _core.SamplingConfig()
+        sc.max_tokens = 1
+        req.sampling = sc
+        before = ticks
+        start = time.perf_counter()
+        for _ in range(20):
+            rid = s._core.add_request(req)
+            s._core.step()
+            s._core.take_result(rid)
+        elapsed = time.perf_counter() - start
+    finally:
+        stop.set()
+        t.join()
+    assert ticks - before > 0.2 * elapsed / 0.0005 * 0.1, (ticks - before, elapsed)

