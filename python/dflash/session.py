@@ -42,6 +42,18 @@ class _Live:
     stop_text_end: Optional[int] = None
 
 
+# Bound of the integer options (the C++ side holds them in 32/64-bit integers).
+_INT32_MAX = 2**31 - 1
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value > _INT32_MAX:
+        raise ValueError(f"{name}={value} is too large (at most {_INT32_MAX})")
+    return value
+
+
 def _resolve_device(device: str) -> str:
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
@@ -83,13 +95,9 @@ class Session:
         config.device = _resolve_device(device)
         for name, value in (("max_model_len", max_model_len), ("kv_cache_tokens", kv_cache_tokens)):
             if value is not None:
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
-                setattr(config, name, value)
+                setattr(config, name, _positive_int(name, value))
         for name, value in kwargs.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-            setattr(config, _RUNTIME_KWARGS[name], value)
+            setattr(config, _RUNTIME_KWARGS[name], _positive_int(name, value))
         self.model_dir = model_dir
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         self._core = _core.Session(model_dir, config)
@@ -102,11 +110,19 @@ class Session:
         if isinstance(item, (list, tuple)) and item and all(isinstance(m, dict) for m in item):
             text = self.tokenizer.apply_chat_template(list(item), add_generation_prompt=True)
             return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
-        if isinstance(item, (list, tuple)) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in item
-        ):
+        if isinstance(item, (list, tuple)):
             if not item:
                 raise ValueError("a prompt of token ids is empty")
+            vocab = self.model_config.vocab_size
+            for pos, t in enumerate(item):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(
+                        "a prompt given as a list must hold token ids (ints) or chat messages "
+                        f"({{'role': ..., 'content': ...}} dicts); element {pos} is {t!r} "
+                        f"({type(t).__name__})"
+                    )
+                if not 0 <= t < vocab:
+                    raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {vocab})")
             return _Prompt(None, [int(t) for t in item])
         raise ValueError(
             "each prompt must be a str, a list of token ids, or a list of chat messages "
@@ -125,11 +141,17 @@ class Session:
         return [self._to_prompt(p) for p in prompts]
 
     def _sampling_config(self, p: SamplingParams) -> Any:
+        vocab = self.model_config.vocab_size
+        for t in p.stop_token_ids or []:
+            if not 0 <= t < vocab:
+                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {vocab})")
         s = _core.SamplingConfig()
-        s.max_tokens = p.max_tokens
+        # Clamps keep huge values inside the C++ integer types without changing their meaning:
+        # max_tokens is capped by max_model_len anyway and top_k >= vocab keeps every token.
+        s.max_tokens = min(int(p.max_tokens), _INT32_MAX)
         s.temperature = float(p.temperature)
         s.top_p = float(p.top_p)
-        s.top_k = int(p.top_k)
+        s.top_k = min(int(p.top_k), vocab)
         s.seed = p.seed if p.seed is not None else secrets.randbits(63)
         s.stop_token_ids = list(p.stop_token_ids or [])
         return s
@@ -162,9 +184,20 @@ class Session:
         if isinstance(params, SamplingParams):
             per_prompt = [params] * len(items)
         else:
-            per_prompt = list(params)
-            if len(per_prompt) != len(items) or not all(isinstance(p, SamplingParams) for p in per_prompt):
-                raise ValueError("params must be a SamplingParams or a list of one per prompt")
+            try:
+                per_prompt = list(params)
+            except TypeError:
+                per_prompt = None
+            if per_prompt is None or not all(isinstance(p, SamplingParams) for p in per_prompt):
+                raise ValueError(
+                    "params must be a SamplingParams or a list of one per prompt, "
+                    f"got {type(params).__name__}"
+                )
+            if len(per_prompt) != len(items):
+                raise ValueError(
+                    f"params has {len(per_prompt)} SamplingParams for {len(items)} prompts "
+                    "(pass one SamplingParams, or one per prompt)"
+                )
         live: Dict[int, _Live] = {}
         try:
             for i, (prompt, p) in enumerate(zip(items, per_prompt)):
