@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -56,11 +57,15 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
+            if isinstance(self.stop, bytes) or not isinstance(self.stop, Iterable):
+                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
             self.stop = list(self.stop)
             for s in self.stop:
                 if not isinstance(s, str) or not s:
                     raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         if self.stop_token_ids is not None:
+            if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
+                raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
             ids = list(self.stop_token_ids)
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
