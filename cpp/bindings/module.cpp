@@ -8,8 +8,10 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 
+#include "backend/cpu/cpu_backend.h"
 #include "runtime/session.h"
 
 namespace nb = nanobind;
@@ -29,6 +31,56 @@ nb::object to_numpy_2d(const std::vector<float>& v, int64_t cols) {
   return nb::cast(nb::ndarray<nb::numpy, float, nb::ndim<2>>(data, 2, shape, owner));
 }
 
+using F32Array = nb::ndarray<float, nb::numpy, nb::c_contig, nb::device::cpu>;
+using I32Array = nb::ndarray<int32_t, nb::numpy, nb::c_contig, nb::device::cpu>;
+
+// Wraps numpy memory as a CPU Tensor (no copy, no ownership).
+template <typename T>
+Tensor wrap(const nb::ndarray<T, nb::numpy, nb::c_contig, nb::device::cpu>& a, DType dtype) {
+  Tensor t;
+  t.data = const_cast<T*>(a.data());
+  t.dtype = dtype;
+  t.device = DeviceKind::kCPU;
+  for (size_t i = 0; i < a.ndim(); ++i) t.shape.push_back(static_cast<int64_t>(a.shape(i)));
+  return t;
+}
+
+// The CPU backend's paged attention over caller-provided pools, for kernel tests.
+nb::object cpu_paged_attention(const F32Array& q, const F32Array& k_pool, const F32Array& v_pool,
+                               const I32Array& query_start, const I32Array& kv_len,
+                               const I32Array& block_table, bool causal) {
+  DFLASH_ARG_CHECK(q.ndim() == 3 && k_pool.ndim() == 4 && v_pool.ndim() == 4 &&
+                       block_table.ndim() == 2 && query_start.ndim() == 1 && kv_len.ndim() == 1,
+                   "paged_attention: q [T, nh, hd], pools [blocks, block_size, nkv, hd], "
+                   "block_table [R, max_blocks]");
+  CpuBackend backend(1);
+  KVPool pool;
+  pool.num_layers = 1;
+  pool.num_blocks = k_pool.shape(0);
+  pool.block_size = k_pool.shape(1);
+  pool.num_kv_heads = k_pool.shape(2);
+  pool.head_dim = k_pool.shape(3);
+  pool.k = wrap(k_pool, DType::kF32);
+  pool.v = wrap(v_pool, DType::kF32);
+  AttentionMeta meta;
+  meta.num_seqs = static_cast<int>(kv_len.shape(0));
+  meta.max_blocks_per_seq = static_cast<int>(block_table.shape(1));
+  meta.causal = causal;
+  meta.query_start = wrap(query_start, DType::kI32);
+  meta.kv_len = wrap(kv_len, DType::kI32);
+  meta.block_table = wrap(block_table, DType::kI32);
+  for (int s = 0; s < meta.num_seqs; ++s) {
+    meta.max_kv_len = std::max(meta.max_kv_len, kv_len.data()[s]);
+    DFLASH_ARG_CHECK(kv_len.data()[s] <= meta.max_blocks_per_seq * pool.block_size,
+                     "kv_len exceeds the block table");
+  }
+  std::vector<float> out(q.size());
+  Tensor out_t = wrap(q, DType::kF32);
+  out_t.data = out.data();
+  backend.paged_attention(wrap(q, DType::kF32), pool, 0, meta, out_t);
+  return to_numpy_2d(out, static_cast<int64_t>(q.shape(1) * q.shape(2)));
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -46,6 +98,26 @@ NB_MODULE(_core, m) {
     }
   });
   m.def("built_with_cuda", []() { return false; });
+
+  // Test-only access to pieces of the runtime (not public API).
+  nb::module_ testing = m.def_submodule("testing", "Test access to runtime internals");
+  testing.def("cpu_paged_attention", &cpu_paged_attention, "q"_a, "k_pool"_a, "v_pool"_a,
+              "query_start"_a, "kv_len"_a, "block_table"_a, "causal"_a,
+              "The CPU backend's paged attention; returns [T, nh * hd].");
+  nb::class_<BlockAllocator>(testing, "BlockAllocator")
+      .def(nb::init<int64_t>(), "num_blocks"_a)
+      .def_prop_ro("num_free", &BlockAllocator::num_free)
+      .def_prop_ro("num_blocks", &BlockAllocator::num_blocks);
+  nb::class_<BlockTable>(testing, "BlockTable")
+      .def(nb::init<int64_t>(), "block_size"_a)
+      .def_prop_ro("num_tokens", &BlockTable::num_tokens)
+      .def_prop_ro("capacity", &BlockTable::capacity)
+      .def_prop_ro("blocks", &BlockTable::blocks)
+      .def("reserve", &BlockTable::reserve, "tokens"_a, "allocator"_a)
+      .def("append", &BlockTable::append, "n"_a)
+      .def("truncate", &BlockTable::truncate, "tokens"_a)
+      .def("slot", &BlockTable::slot, "pos"_a)
+      .def("release", &BlockTable::release, "allocator"_a);
 
   nb::class_<SessionConfig>(m, "SessionConfig")
       .def(nb::init<>())
