@@ -24,6 +24,7 @@ struct AttentionMeta {
   int max_query_len = 0;
   int max_kv_len = 0;
   bool causal = true;
+  int64_t window = 0;  // > 0: causal, and a query at p sees keys p - window < j <= p (sliding)
   Tensor query_start;  // [num_seqs + 1] int32
   Tensor kv_len;       // [num_seqs] int32
   Tensor block_table;  // [num_seqs, max_blocks_per_seq] int32 block ids

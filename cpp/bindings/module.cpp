@@ -128,7 +128,9 @@ NB_MODULE(_core, m) {
       .def_rw("max_num_seqs", &SessionConfig::max_num_seqs)
       .def_rw("max_num_batched_tokens", &SessionConfig::max_num_batched_tokens)
       .def_rw("num_threads", &SessionConfig::num_threads)
-      .def_rw("tap_layers", &SessionConfig::tap_layers);
+      .def_rw("tap_layers", &SessionConfig::tap_layers)
+      .def_rw("draft_dir", &SessionConfig::draft_dir)
+      .def_rw("num_speculative_tokens", &SessionConfig::num_speculative_tokens);
 
   nb::class_<SamplingConfig>(m, "SamplingConfig")
       .def(nb::init<>())
@@ -147,7 +149,8 @@ NB_MODULE(_core, m) {
       .def_rw("forced_tokens", &RequestInput::forced_tokens)
       .def_rw("record_logits", &RequestInput::record_logits)
       .def_rw("record_prompt_logits", &RequestInput::record_prompt_logits)
-      .def_rw("record_taps", &RequestInput::record_taps);
+      .def_rw("record_taps", &RequestInput::record_taps)
+      .def_rw("oracle_drafts", &RequestInput::oracle_drafts);
 
   nb::class_<StepOutput>(m, "StepOutput")
       .def_ro("request_id", &StepOutput::request_id)
@@ -161,7 +164,13 @@ NB_MODULE(_core, m) {
       .def_ro("num_steps", &RequestMetrics::num_steps)
       .def_ro("time_to_first_token_s", &RequestMetrics::time_to_first_token_s)
       .def_ro("decode_tokens_per_s", &RequestMetrics::decode_tokens_per_s)
-      .def_ro("total_time_s", &RequestMetrics::total_time_s);
+      .def_ro("total_time_s", &RequestMetrics::total_time_s)
+      .def_ro("num_spec_steps", &RequestMetrics::num_spec_steps)
+      .def_ro("num_drafted", &RequestMetrics::num_drafted)
+      .def_ro("num_accepted", &RequestMetrics::num_accepted)
+      .def_ro("num_spec_emitted", &RequestMetrics::num_spec_emitted)
+      .def_ro("accepted_per_position", &RequestMetrics::accepted_per_position)
+      .def_prop_ro("acceptance_length", &RequestMetrics::acceptance_length);
 
   nb::class_<RequestResult>(m, "RequestResult")
       .def_ro("request_id", &RequestResult::request_id)
@@ -181,7 +190,12 @@ NB_MODULE(_core, m) {
       .def_ro("num_steps", &EngineStats::num_steps)
       .def_ro("num_forward_tokens", &EngineStats::num_forward_tokens)
       .def_ro("num_generated_tokens", &EngineStats::num_generated_tokens)
-      .def_ro("num_requests_finished", &EngineStats::num_requests_finished);
+      .def_ro("num_requests_finished", &EngineStats::num_requests_finished)
+      .def_ro("num_spec_steps", &EngineStats::num_spec_steps)
+      .def_ro("num_drafted", &EngineStats::num_drafted)
+      .def_ro("num_accepted", &EngineStats::num_accepted)
+      .def_ro("num_spec_emitted", &EngineStats::num_spec_emitted)
+      .def_ro("accepted_per_position", &EngineStats::accepted_per_position);
 
   nb::class_<SessionStats>(m, "SessionStats")
       .def_ro("device", &SessionStats::device)
@@ -193,6 +207,9 @@ NB_MODULE(_core, m) {
       .def_ro("num_free_blocks", &SessionStats::num_free_blocks)
       .def_ro("max_model_len", &SessionStats::max_model_len)
       .def_ro("num_threads", &SessionStats::num_threads)
+      .def_ro("draft_weight_bytes", &SessionStats::draft_weight_bytes)
+      .def_ro("draft_kv_cache_bytes", &SessionStats::draft_kv_cache_bytes)
+      .def_ro("num_speculative_tokens", &SessionStats::num_speculative_tokens)
       .def_ro("engine", &SessionStats::engine);
 
   nb::class_<ModelConfig>(m, "ModelConfig")
@@ -218,5 +235,20 @@ NB_MODULE(_core, m) {
       .def("has_unfinished", &Session::has_unfinished)
       .def("take_result", &Session::take_result, "request_id"_a)
       .def("generate", &Session::generate, "inputs"_a, nb::call_guard<nb::gil_scoped_release>())
-      .def("stats", &Session::stats);
+      .def("stats", &Session::stats)
+      .def("propose", [](Session& s, const std::vector<int32_t>& prompt) {
+        std::vector<int32_t> drafts;
+        std::vector<float> logits;
+        {
+          nb::gil_scoped_release release;
+          s.propose(prompt, &drafts, &logits);
+        }
+        const int64_t n = static_cast<int64_t>(drafts.size());
+        int32_t* ids = new int32_t[n ? n : 1];
+        std::copy(drafts.begin(), drafts.end(), ids);
+        nb::capsule owner(ids, [](void* p) noexcept { delete[] static_cast<int32_t*>(p); });
+        size_t shape[1] = {static_cast<size_t>(n)};
+        nb::object id_arr = nb::cast(nb::ndarray<nb::numpy, int32_t, nb::ndim<1>>(ids, 1, shape, owner));
+        return nb::make_tuple(id_arr, to_numpy_2d(logits, s.model_config().vocab_size));
+      }, "prompt"_a, "Prefill + context update + one draft step: (draft ids [n], draft logits [n, vocab]).");
 }

@@ -1,28 +1,18 @@
 // The target model: a Llama / Qwen3 decoder (pre-norm, GQA, rotate-half RoPE, SwiGLU,
 // optional QK-norm) written once against the Backend op interface. It reads its weights from
 // a Checkpoint, keeps K/V in a paged KVPool, and can tap the hidden states (the outputs of
-// chosen layers, HF hidden_states[id + 1]) for a drafter.
+// chosen layers, HF hidden_states[id + 1], pre-final-norm) for a drafter.
 #pragma once
 
 #include <vector>
 
 #include "backend/backend.h"
 #include "config/model_config.h"
+#include "model/decoder_layer.h"
 #include "model/forward_batch.h"
 #include "weights/safetensors.h"
 
 namespace dflash {
-
-struct LayerWeights {
-  Tensor input_norm;   // [H]
-  Tensor qkv;          // [(nh + 2 nkv) hd, H]
-  Tensor q_norm;       // [hd] (Qwen3) or empty
-  Tensor k_norm;       // [hd] (Qwen3) or empty
-  Tensor o;            // [H, nh hd]
-  Tensor post_norm;    // [H]
-  Tensor gate_up;      // [2 I, H]
-  Tensor down;         // [H, I]
-};
 
 struct ForwardResult {
   Tensor logits;  // [N, V] fp32, rows of ForwardBatch::logit_rows
@@ -32,11 +22,13 @@ struct ForwardResult {
 class Transformer {
  public:
   // tap_layers: layer indices whose outputs are tapped (may be empty).
-  Transformer(const ModelConfig& config, const Checkpoint& ckpt, Backend& backend,
-              std::vector<int> tap_layers);
+  Transformer(const ModelConfig& config, const Checkpoint& ckpt, Backend& backend, std::vector<int> tap_layers);
 
   const ModelConfig& config() const { return config_; }
   const std::vector<int>& tap_layers() const { return tap_layers_; }
+  const Tensor& embedding() const { return embed_; }  // [V, H]
+  const Tensor& lm_head() const { return lm_head_; }  // [V, H]
+  const Tensor& inv_freq() const { return inv_freq_; }
   // Bytes of weights held by the backend.
   size_t weight_bytes() const { return weight_bytes_; }
   // Creates a K/V pool of num_blocks blocks for this model.
@@ -45,11 +37,8 @@ class Transformer {
   ForwardResult forward(const ForwardBatch& batch, KVPool& pool);
 
  private:
-  Tensor load(const Checkpoint& ckpt, const std::string& name, std::vector<int64_t> shape);
-  Tensor load_stacked(const Checkpoint& ckpt, const std::vector<std::string>& names,
-                      const std::vector<std::vector<int64_t>>& shapes);
-
   ModelConfig config_;
+  LayerGeometry geometry_;
   Backend& backend_;
   std::vector<int> tap_layers_;
   Tensor embed_;       // [V, H]
@@ -59,5 +48,9 @@ class Transformer {
   std::vector<LayerWeights> layers_;
   size_t weight_bytes_ = 0;
 };
+
+// A K/V pool for a stack of `num_layers` layers of geometry g.
+KVPool kv_pool_create(Backend& backend, int64_t num_layers, const LayerGeometry& g, int64_t num_blocks,
+                      int64_t block_size);
 
 }  // namespace dflash

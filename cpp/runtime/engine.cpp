@@ -6,14 +6,27 @@
 
 namespace dflash {
 
+namespace {
+SchedulerConfig with_lookahead(SchedulerConfig sched, const Speculator& spec) {
+  // A verify block writes K/V for the anchor and n drafts past the committed tokens.
+  if (spec.drafter) sched.lookahead_tokens = std::max(sched.lookahead_tokens, spec.num_spec_tokens + 1);
+  return sched;
+}
+}  // namespace
+
 Engine::Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocator& allocator,
-               const SchedulerConfig& sched, int64_t max_model_len)
+               const SchedulerConfig& sched, int64_t max_model_len, Speculator spec)
     : model_(model),
       backend_(backend),
       pool_(pool),
       allocator_(allocator),
-      scheduler_(sched, allocator),
-      max_model_len_(max_model_len) {}
+      scheduler_(with_lookahead(sched, spec), allocator),
+      max_model_len_(max_model_len),
+      spec_(spec) {
+  if (spec_.drafter) {
+    stats_.accepted_per_position.assign(spec_.num_spec_tokens, 0);
+  }
+}
 
 int64_t Engine::add_request(RequestInput input) {
   const ModelConfig& c = model_.config();
@@ -35,6 +48,11 @@ int64_t Engine::add_request(RequestInput input) {
   for (int32_t t : input.forced_tokens) {
     DFLASH_ARG_CHECK(t >= 0 && t < vocab, "forced token id ", t, " is outside the vocabulary");
   }
+  for (int32_t t : input.oracle_drafts) {
+    DFLASH_ARG_CHECK(t >= 0 && t < vocab, "oracle draft token id ", t, " is outside the vocabulary");
+  }
+  DFLASH_ARG_CHECK(!spec_.drafter || !(input.record_logits || input.record_prompt_logits || input.record_taps),
+                   "logit/tap recording is only available without a draft model");
   DFLASH_ARG_CHECK(s.max_tokens >= 1, "max_tokens must be >= 1, got ", s.max_tokens);
   DFLASH_ARG_CHECK(std::isfinite(s.temperature) && s.temperature >= 0.0f,
                    "temperature must be a finite number >= 0, got ", s.temperature);
@@ -53,6 +71,7 @@ int64_t Engine::add_request(RequestInput input) {
                    allocator_.num_blocks() * scheduler_.config().block_size,
                    "; raise kv_cache_tokens or lower max_tokens");
   req->metrics.prompt_tokens = prompt;
+  if (spec_.drafter) req->metrics.accepted_per_position.assign(spec_.num_spec_tokens, 0);
   req->arrival = Clock::now();
   const int64_t id = req->id;
   scheduler_.add(std::move(req));
@@ -71,70 +90,101 @@ std::string Engine::stop_reason(const Request& req, int32_t token) const {
   return "";
 }
 
+int64_t Engine::emit(Request* r, const std::vector<int32_t>& tokens, Clock::time_point now, StepOutput* out) {
+  out->request_id = r->id;
+  int64_t n = 0;
+  for (int32_t token : tokens) {
+    r->output.push_back(token);
+    out->new_tokens.push_back(token);
+    ++n;
+    if (r->output.size() == 1) r->first_token = now;
+    stats_.num_generated_tokens += 1;
+    const std::string reason = stop_reason(*r, token);
+    if (!reason.empty()) {
+      out->finished = true;
+      out->finish_reason = reason;
+      break;
+    }
+  }
+  r->metrics.num_steps += 1;
+  return n;
+}
+
+void Engine::add_rows(ForwardBatch& batch, Request* r, const std::vector<int32_t>& tokens, int max_blocks,
+                      bool all_logits) {
+  const int64_t start = r->num_computed;
+  const int64_t row0 = batch.num_tokens();
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const int64_t pos = start + static_cast<int64_t>(i);
+    batch.token_ids.push_back(tokens[i]);
+    batch.positions.push_back(static_cast<int32_t>(pos));
+    batch.slots.push_back(r->blocks.slot(pos));
+  }
+  r->blocks.truncate(start);
+  r->blocks.append(static_cast<int64_t>(tokens.size()));
+  if (batch.query_start.empty()) batch.query_start.push_back(0);
+  batch.query_start.push_back(static_cast<int32_t>(batch.num_tokens()));
+  batch.kv_len.push_back(static_cast<int32_t>(start + static_cast<int64_t>(tokens.size())));
+  std::vector<int32_t> row(r->blocks.blocks());
+  row.resize(max_blocks, 0);
+  batch.block_table.insert(batch.block_table.end(), row.begin(), row.end());
+  batch.max_blocks_per_seq = max_blocks;
+  for (int64_t t = all_logits ? row0 : batch.num_tokens() - 1; t < batch.num_tokens(); ++t) {
+    batch.logit_rows.push_back(static_cast<int32_t>(t));
+  }
+}
+
+namespace {
+int max_blocks_of(const std::vector<Request*>& reqs) {
+  int m = 0;
+  for (const Request* r : reqs) m = std::max<int>(m, static_cast<int>(r->blocks.blocks().size()));
+  return m;
+}
+
+// The tokens of r not yet in the KV cache (the prompt for a new request, else the last token).
+std::vector<int32_t> pending_tokens(const Request* r) {
+  std::vector<int32_t> out;
+  for (int64_t pos = r->num_computed; pos < r->num_tokens(); ++pos) out.push_back(r->token_at(pos));
+  return out;
+}
+}  // namespace
+
 std::vector<StepOutput> Engine::step() {
   std::vector<Request*> running = scheduler_.schedule();
-  std::vector<StepOutput> outputs;
-  if (running.empty()) return outputs;
+  if (running.empty()) return {};
+  stats_.num_steps += 1;
+  return spec_.drafter ? speculative_step(running) : autoregressive_step(running);
+}
 
-  // Build the ragged batch: every token not yet in the cache (the whole prompt for a new
-  // request, the last sampled token otherwise).
+std::vector<StepOutput> Engine::autoregressive_step(const std::vector<Request*>& running) {
+  // One ragged batch: the whole prompt of a new request, the last sampled token otherwise.
   ForwardBatch batch;
-  int max_blocks = 0;
-  for (Request* r : running) {
-    max_blocks = std::max<int>(max_blocks, static_cast<int>(r->blocks.blocks().size()));
-  }
-  batch.max_blocks_per_seq = max_blocks;
-  batch.query_start.push_back(0);
-  std::vector<int64_t> sample_row(running.size());  // index into logit_rows
-  std::vector<int64_t> first_logit_row(running.size());
+  const int max_blocks = max_blocks_of(running);
+  std::vector<int64_t> sample_row(running.size()), first_logit_row(running.size());
   for (size_t i = 0; i < running.size(); ++i) {
     Request* r = running[i];
-    const int64_t start = r->num_computed, end = r->num_tokens();
-    const int64_t row0 = batch.num_tokens();
-    for (int64_t pos = start; pos < end; ++pos) {
-      batch.token_ids.push_back(r->token_at(pos));
-      batch.positions.push_back(static_cast<int32_t>(pos));
-      batch.slots.push_back(r->blocks.slot(pos));
-    }
-    r->blocks.append(end - start);
-    batch.query_start.push_back(static_cast<int32_t>(batch.num_tokens()));
-    batch.kv_len.push_back(static_cast<int32_t>(end));
-    std::vector<int32_t> row(r->blocks.blocks());
-    row.resize(max_blocks, 0);
-    batch.block_table.insert(batch.block_table.end(), row.begin(), row.end());
     first_logit_row[i] = static_cast<int64_t>(batch.logit_rows.size());
-    const bool all_rows = r->input.record_prompt_logits && start == 0;
-    for (int64_t t = all_rows ? row0 : batch.num_tokens() - 1; t < batch.num_tokens(); ++t) {
-      batch.logit_rows.push_back(static_cast<int32_t>(t));
-    }
+    add_rows(batch, r, pending_tokens(r), max_blocks, r->input.record_prompt_logits && r->num_computed == 0);
     sample_row[i] = static_cast<int64_t>(batch.logit_rows.size()) - 1;
     batch.want_taps = batch.want_taps || r->input.record_taps;
   }
-
   ForwardResult fwd = model_.forward(batch, pool_);
   const int64_t vocab = model_.config().vocab_size;
 
-  // Sample one token per request from its last row.
   std::vector<SampleRow> rows(running.size());
   for (size_t i = 0; i < running.size(); ++i) {
     const Request* r = running[i];
-    rows[i].temperature = r->input.sampling.temperature;
-    rows[i].top_k = r->input.sampling.top_k;
-    rows[i].top_p = r->input.sampling.top_p;
-    rows[i].seed = r->input.sampling.seed;
-    rows[i].position = r->num_tokens();
+    rows[i] = {r->input.sampling.temperature, r->input.sampling.top_k, r->input.sampling.top_p,
+               r->input.sampling.seed, r->num_tokens()};
   }
   std::vector<int32_t> sampled(running.size());
-  const bool logits_are_sample_rows =
-      static_cast<int64_t>(batch.logit_rows.size()) == static_cast<int64_t>(running.size());
-  if (logits_are_sample_rows) {
+  if (batch.logit_rows.size() == running.size()) {
     backend_.sample(fwd.logits, rows, sampled.data());
   } else {
     std::vector<int32_t> idx(sample_row.begin(), sample_row.end());
-    Tensor picked = backend_.empty({static_cast<int64_t>(idx.size()), vocab}, DType::kF32);
-    backend_.gather_rows(fwd.logits,
-                         backend_.upload_i32(idx.data(), {static_cast<int64_t>(idx.size())}),
-                         picked);
+    const int64_t n = static_cast<int64_t>(idx.size());
+    Tensor picked = backend_.empty({n, vocab}, DType::kF32);
+    backend_.gather_rows(fwd.logits, backend_.upload_i32(idx.data(), {n}), picked);
     backend_.sample(picked, rows, sampled.data());
   }
 
@@ -152,8 +202,8 @@ std::vector<StepOutput> Engine::step() {
   }
 
   const Clock::time_point now = Clock::now();
-  stats_.num_steps += 1;
   stats_.num_forward_tokens += batch.num_tokens();
+  std::vector<StepOutput> outputs;
   for (size_t i = 0; i < running.size(); ++i) {
     Request* r = running[i];
     const int64_t fed_from = r->num_computed;
@@ -164,28 +214,16 @@ std::vector<StepOutput> Engine::step() {
                        host_logits.begin() + (first_logit_row[i] + n) * vocab);
     }
     if (r->input.record_taps && !host_taps.empty()) {
-      const int64_t width = fwd.taps.dim(1);
-      const int64_t row0 = batch.query_start[i];
+      const int64_t width = fwd.taps.dim(1), row0 = batch.query_start[i];
       const int64_t n = r->num_computed - fed_from;
-      r->taps.insert(r->taps.end(), host_taps.begin() + row0 * width,
-                     host_taps.begin() + (row0 + n) * width);
+      r->taps.insert(r->taps.end(), host_taps.begin() + row0 * width, host_taps.begin() + (row0 + n) * width);
     }
     const size_t step_idx = r->output.size();
-    const int32_t token = step_idx < r->input.forced_tokens.size()
-                              ? r->input.forced_tokens[step_idx]
-                              : sampled[i];
-    r->output.push_back(token);
-    r->metrics.num_steps += 1;
-    if (r->output.size() == 1) r->first_token = now;
-    stats_.num_generated_tokens += 1;
+    const int32_t token = step_idx < r->input.forced_tokens.size() ? r->input.forced_tokens[step_idx] : sampled[i];
     StepOutput out;
-    out.request_id = r->id;
-    out.new_tokens.push_back(token);
-    const std::string reason = stop_reason(*r, token);
-    if (!reason.empty()) {
-      out.finished = true;
-      out.finish_reason = reason;
-      scheduler_.finish(r, reason);
+    emit(r, {token}, now, &out);
+    if (out.finished) {
+      scheduler_.finish(r, out.finish_reason);
       stats_.num_requests_finished += 1;
     }
     outputs.push_back(std::move(out));

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "model/dflash_drafter.h"
 #include "model/transformer.h"
 #include "runtime/request.h"
 #include "runtime/scheduler.h"
@@ -19,17 +20,36 @@ struct EngineStats {
   int64_t num_forward_tokens = 0;
   int64_t num_generated_tokens = 0;
   int64_t num_requests_finished = 0;
+  // Speculative decoding, summed over requests.
+  int64_t num_spec_steps = 0;
+  int64_t num_drafted = 0;
+  int64_t num_accepted = 0;
+  int64_t num_spec_emitted = 0;
+  std::vector<int64_t> accepted_per_position;
+};
+
+// The drafter side of an engine: the model, its KV pool (same block ids as the target's) and
+// the number of draft tokens per step.
+struct Speculator {
+  DFlashDrafter* drafter = nullptr;
+  KVPool* pool = nullptr;
+  int64_t num_spec_tokens = 0;
 };
 
 class Engine {
  public:
   Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocator& allocator,
-         const SchedulerConfig& sched, int64_t max_model_len);
+         const SchedulerConfig& sched, int64_t max_model_len, Speculator spec = Speculator());
 
   // Validates (InvalidArgument on caller mistakes) and queues a request; returns its id.
   int64_t add_request(RequestInput input);
   // One step over all running requests; outputs for those that produced tokens.
   std::vector<StepOutput> step();
+  // Speculative decoding inspection: prefill + context update + one draft step for one prompt
+  // in blocks of its own; returns the drafts [n] and their logits [n, V]. Changes nothing else.
+  void propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* drafts, std::vector<float>* logits);
+  bool speculative() const { return spec_.drafter != nullptr; }
+  int64_t num_spec_tokens() const { return spec_.num_spec_tokens; }
   bool abort(int64_t id) { return scheduler_.abort(id); }
   bool has_unfinished() const { return scheduler_.has_unfinished(); }
   // The finished request (tokens, metrics, recordings); nullptr if not finished.
@@ -42,6 +62,15 @@ class Engine {
  private:
   // Decides whether `req` stops after emitting `token`; returns the reason or "".
   std::string stop_reason(const Request& req, int32_t token) const;
+  // Appends emitted tokens one by one until a stop condition; fills `out`; finishes the request
+  // when one holds. Returns the number appended.
+  int64_t emit(Request* r, const std::vector<int32_t>& tokens, Clock::time_point now, StepOutput* out);
+  // Adds request r's rows (tokens from r->num_computed to the end, or `extra` tokens after
+  // it) to a target batch.
+  void add_rows(ForwardBatch& batch, Request* r, const std::vector<int32_t>& tokens, int max_blocks,
+                bool all_logits);
+  std::vector<StepOutput> autoregressive_step(const std::vector<Request*>& running);
+  std::vector<StepOutput> speculative_step(const std::vector<Request*>& running);
 
   Transformer& model_;
   Backend& backend_;
@@ -51,6 +80,7 @@ class Engine {
   int64_t max_model_len_;
   int64_t next_id_ = 0;
   EngineStats stats_;
+  Speculator spec_;
 };
 
 }  // namespace dflash

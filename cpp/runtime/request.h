@@ -32,6 +32,10 @@ struct RequestInput {
   bool record_logits = false;          // keep the logits of every sampled position
   bool record_prompt_logits = false;   // ...and of every prompt position
   bool record_taps = false;            // keep the hidden-state taps of every row
+  // Speculative decoding test hook: the drafts proposed at each step are taken from this
+  // sequence (the expected continuation: token k is the k-th generated token) instead of the
+  // drafter, so tests can drive full-block acceptance.
+  std::vector<int32_t> oracle_drafts;
 };
 
 struct RequestMetrics {
@@ -41,6 +45,16 @@ struct RequestMetrics {
   double time_to_first_token_s = 0.0;  // from add_request to the first token
   double decode_tokens_per_s = 0.0;    // tokens after the first / time after the first
   double total_time_s = 0.0;
+  // Speculative decoding (zero without a drafter):
+  int64_t num_spec_steps = 0;        // draft-verify steps
+  int64_t num_drafted = 0;           // draft tokens proposed
+  int64_t num_accepted = 0;          // draft tokens accepted
+  int64_t num_spec_emitted = 0;      // tokens emitted by draft-verify steps (bonus included)
+  std::vector<int64_t> accepted_per_position;  // [n] how often draft j was accepted
+  // Mean tokens emitted per draft-verify step, bonus included (tau).
+  double acceptance_length() const {
+    return num_spec_steps ? static_cast<double>(num_spec_emitted) / num_spec_steps : 0.0;
+  }
 };
 
 enum class RequestStatus { kWaiting, kRunning, kFinished };

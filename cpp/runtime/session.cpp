@@ -34,16 +34,37 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
                     ? config.num_threads
                     : std::max(1u, std::thread::hardware_concurrency());
   backend_ = backend_create(config.device, threads);
+  std::vector<int> taps = config.tap_layers;
+  DraftConfig draft_config;
+  if (!config.draft_dir.empty()) {
+    DFLASH_ARG_CHECK(taps.empty(), "tap_layers come from the draft model; do not pass both");
+    draft_config = draft_config_load(config.draft_dir);
+    draft_config_check_target(draft_config, config_, model_dir);
+    taps = draft_config.target_layer_ids;
+    const int64_t n = config.num_speculative_tokens;
+    DFLASH_ARG_CHECK(n >= 0 && n <= draft_config.block_size - 1, "num_speculative_tokens must be in [1, ",
+                     draft_config.block_size - 1, "] for a drafter of block_size ", draft_config.block_size,
+                     ", got ", n);
+  } else {
+    DFLASH_ARG_CHECK(config.num_speculative_tokens == 0, "num_speculative_tokens needs a draft model");
+  }
   checkpoint_ = std::make_unique<Checkpoint>(model_dir);
-  model_ = std::make_unique<Transformer>(config_, *checkpoint_, *backend_, config.tap_layers);
+  model_ = std::make_unique<Transformer>(config_, *checkpoint_, *backend_, taps);
+  if (!config.draft_dir.empty()) {
+    drafter_ = std::make_unique<DFlashDrafter>(draft_config, config.draft_dir, *backend_, *model_, model_dir);
+  }
   if (backend_->kind() == DeviceKind::kCPU) {
     checkpoint_.reset();  // weights were copied to fp32; drop the mappings
   }
 
   max_model_len_ = config.max_model_len > 0 ? config.max_model_len
                                             : config_.max_position_embeddings;
-  const int64_t bytes_per_token = 2 * config_.num_layers * config_.num_kv_heads *
-                                  config_.head_dim * dtype_size(backend_->compute_dtype());
+  int64_t bytes_per_token = 2 * config_.num_layers * config_.num_kv_heads * config_.head_dim *
+                            dtype_size(backend_->compute_dtype());
+  if (drafter_) {
+    const ModelConfig& g = drafter_->config().geometry;
+    bytes_per_token += 2 * g.num_layers * g.num_kv_heads * g.head_dim * dtype_size(backend_->compute_dtype());
+  }
   int64_t kv_tokens = config.kv_cache_tokens;
   if (kv_tokens == 0) {
     // Enough for one request of max_model_len and for batching; pages are touched lazily,
@@ -58,12 +79,20 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   const int64_t num_blocks = BlockTable::blocks_for(kv_tokens, config.block_size);
   allocator_ = std::make_unique<BlockAllocator>(num_blocks);
   pool_ = model_->make_kv_pool(num_blocks, config.block_size);
+  Speculator spec;
+  if (drafter_) {
+    draft_pool_ = drafter_->make_kv_pool(num_blocks, config.block_size);  // same block ids as the target
+    spec.drafter = drafter_.get();
+    spec.pool = &draft_pool_;
+    spec.num_spec_tokens =
+        config.num_speculative_tokens > 0 ? config.num_speculative_tokens : drafter_->config().block_size - 1;
+  }
 
   SchedulerConfig sched;
   sched.block_size = config.block_size;
   sched.max_num_seqs = config.max_num_seqs;
   sched.max_num_batched_tokens = config.max_num_batched_tokens;
-  engine_ = std::make_unique<Engine>(*model_, *backend_, pool_, *allocator_, sched, max_model_len_);
+  engine_ = std::make_unique<Engine>(*model_, *backend_, pool_, *allocator_, sched, max_model_len_, spec);
 }
 
 RequestResult Session::take_result(int64_t id) {
@@ -118,6 +147,11 @@ SessionStats Session::stats() const {
   s.max_model_len = max_model_len_;
   s.num_threads = backend_->num_threads();
   s.engine = engine_->stats();
+  if (drafter_) {
+    s.draft_weight_bytes = static_cast<int64_t>(drafter_->weight_bytes());
+    s.draft_kv_cache_bytes = static_cast<int64_t>(draft_pool_.k.nbytes() + draft_pool_.v.nbytes());
+    s.num_speculative_tokens = engine_->num_spec_tokens();
+  }
   return s;
 }
 

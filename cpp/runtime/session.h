@@ -10,6 +10,7 @@
 #include "backend/backend.h"
 #include "config/model_config.h"
 #include "kv_cache/block_allocator.h"
+#include "model/dflash_drafter.h"
 #include "model/transformer.h"
 #include "runtime/engine.h"
 #include "weights/safetensors.h"
@@ -24,7 +25,9 @@ struct SessionConfig {
   int64_t max_num_seqs = 256;
   int64_t max_num_batched_tokens = 8192;
   int num_threads = 0;                 // 0: all hardware threads
-  std::vector<int> tap_layers;         // hidden-state taps (the drafter's target_layer_ids)
+  std::vector<int> tap_layers;         // hidden-state taps (set from the drafter when there is one)
+  std::string draft_dir;               // a DFlashDraftModel directory: speculative decoding
+  int64_t num_speculative_tokens = 0;  // drafts per step, 1..block_size-1 (0: block_size-1)
 };
 
 struct RequestResult {
@@ -47,6 +50,9 @@ struct SessionStats {
   int64_t num_free_blocks = 0;
   int64_t max_model_len = 0;
   int num_threads = 0;
+  int64_t draft_weight_bytes = 0;
+  int64_t draft_kv_cache_bytes = 0;
+  int64_t num_speculative_tokens = 0;  // 0 without a drafter
   EngineStats engine;
 };
 
@@ -64,6 +70,10 @@ class Session {
   // Runs the given requests to completion (C++ convenience; Python drives step() itself).
   std::vector<RequestResult> generate(std::vector<RequestInput> inputs);
   SessionStats stats() const;
+  // Drafter inspection (see Engine::propose): drafts [n] and logits [n * vocab].
+  void propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* drafts, std::vector<float>* logits) {
+    engine_->propose(prompt, drafts, logits);
+  }
 
  private:
   ModelConfig config_;
@@ -73,6 +83,8 @@ class Session {
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<BlockAllocator> allocator_;
   KVPool pool_;
+  std::unique_ptr<DFlashDrafter> drafter_;
+  KVPool draft_pool_;
   std::unique_ptr<Engine> engine_;
   int64_t max_model_len_ = 0;
 };

@@ -8,7 +8,12 @@ from typing import List, Optional
 
 @dataclass
 class RequestMetrics:
-    """Per-request measurements. Times are seconds from the request's submission."""
+    """Per-request measurements. Times are seconds from the request's submission.
+
+    With a draft model: acceptance_length is tau, the mean number of tokens emitted per
+    draft-verify step (bonus token included); accepted_per_position[j] counts the steps whose
+    draft j was accepted; num_drafted / num_accepted count draft tokens.
+    """
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -16,6 +21,11 @@ class RequestMetrics:
     decode_tokens_per_s: float = 0.0
     total_time: float = 0.0
     num_steps: int = 0
+    acceptance_length: float = 0.0
+    accepted_per_position: List[int] = field(default_factory=list)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_spec_steps: int = 0
 
 
 @dataclass

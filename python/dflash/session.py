@@ -68,6 +68,10 @@ class Session:
     Session(model_dir, *, device="auto", max_model_len=None, kv_cache_tokens=None, **kwargs)
 
     model_dir: a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+    draft: a DFlash drafter directory (z-lab DFlashDraftModel format): generation then uses
+        speculative decoding (lossless: greedy output equals the target's greedy output,
+        sampling follows the target's distribution).
+    num_speculative_tokens: draft tokens per step, 1..block_size-1 (default block_size-1).
     device: "cpu", "cuda" or "auto" (CUDA when this build has it, else the CPU).
     max_model_len: longest prompt + generation (default: the model's max_position_embeddings).
     kv_cache_tokens: size of the paged KV cache in tokens (default: from max_model_len and
@@ -80,6 +84,8 @@ class Session:
         self,
         model_dir: Union[str, os.PathLike],
         *,
+        draft: Optional[Union[str, os.PathLike]] = None,
+        num_speculative_tokens: Optional[int] = None,
         device: str = "auto",
         max_model_len: Optional[int] = None,
         kv_cache_tokens: Optional[int] = None,
@@ -96,9 +102,22 @@ class Session:
         for name, value in (("max_model_len", max_model_len), ("kv_cache_tokens", kv_cache_tokens)):
             if value is not None:
                 setattr(config, name, _positive_int(name, value))
+        if draft is not None:
+            draft = os.fspath(draft)
+            if not os.path.isdir(draft):
+                raise ValueError(f"draft model directory not found: {draft}")
+            config.draft_dir = draft
+        if num_speculative_tokens is not None:
+            if draft is None:
+                raise ValueError("num_speculative_tokens needs a draft model (draft=...)")
+            if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+                    or num_speculative_tokens < 1:
+                raise ValueError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
+            config.num_speculative_tokens = num_speculative_tokens
         for name, value in kwargs.items():
             setattr(config, _RUNTIME_KWARGS[name], _positive_int(name, value))
         self.model_dir = model_dir
+        self.draft_dir = draft
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         self._core = _core.Session(model_dir, config)
         self.model_config = self._core.model_config
@@ -268,8 +287,29 @@ class Session:
             decode_tokens_per_s=m.decode_tokens_per_s,
             total_time=m.total_time_s,
             num_steps=m.num_steps,
+            acceptance_length=m.acceptance_length,
+            accepted_per_position=list(m.accepted_per_position),
+            num_drafted=m.num_drafted,
+            num_accepted=m.num_accepted,
+            num_spec_steps=m.num_spec_steps,
         )
         return RequestOutput(entry.prompt.text, entry.prompt.token_ids, text, token_ids, reason, metrics)
+
+    # ------------------------------------------------------------------ drafter inspection
+    def propose(self, token_ids: Sequence[int]):
+        """Drafter debugging: prefill `token_ids`, add their features to the drafter's context,
+        and run one draft step from the target's greedy next token (the anchor).
+
+        Returns (draft_token_ids, draft_logits) as numpy arrays of shapes [n] and [n, vocab],
+        n = num_speculative_tokens. Runs in KV blocks of its own: no other request or state
+        changes. Needs a Session made with draft=...
+        """
+        if self.draft_dir is None:
+            raise ValueError("propose() needs a Session with a draft model (draft=...)")
+        ids = list(token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("token_ids must be a list of ints")
+        return self._core.propose(ids)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> Dict[str, Any]:
@@ -290,4 +330,12 @@ class Session:
             "num_forward_tokens": e.num_forward_tokens,
             "num_generated_tokens": e.num_generated_tokens,
             "num_requests_finished": e.num_requests_finished,
+            "draft_weight_bytes": s.draft_weight_bytes,
+            "draft_kv_cache_bytes": s.draft_kv_cache_bytes,
+            "num_speculative_tokens": s.num_speculative_tokens,
+            "num_spec_steps": e.num_spec_steps,
+            "num_drafted": e.num_drafted,
+            "num_accepted": e.num_accepted,
+            "acceptance_length": (e.num_spec_emitted / e.num_spec_steps) if e.num_spec_steps else 0.0,
+            "accepted_per_position": list(e.accepted_per_position),
         }

@@ -36,12 +36,14 @@ void CpuBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t la
       const int64_t num_q = qs[s + 1] - qs[s];
       const int64_t len = kv_len[s];
       const int64_t q_pos = len - num_q + (t - qs[s]);
-      const int64_t visible = meta.causal ? q_pos + 1 : len;
+      const bool causal = meta.causal || meta.window > 0;
+      const int64_t visible = causal ? q_pos + 1 : len;
+      const int64_t first_key = meta.window > 0 ? std::max<int64_t>(0, q_pos - meta.window + 1) : 0;
       const float* qv = q.ptr<float>() + (t * nh + h) * hd;
       const int64_t kvh = h / group;
       const int32_t* blocks = table + static_cast<int64_t>(s) * meta.max_blocks_per_seq;
       float max_score = -INFINITY;
-      for (int64_t j = 0; j < visible; ++j) {
+      for (int64_t j = first_key; j < visible; ++j) {
         const int64_t slot = static_cast<int64_t>(blocks[j / bs]) * bs + j % bs;
         const float* kv = kl + slot * row + kvh * hd;
         float dot = 0.0f;
@@ -50,12 +52,12 @@ void CpuBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t la
         max_score = std::max(max_score, scores[j]);
       }
       float denom = 0.0f;
-      for (int64_t j = 0; j < visible; ++j) {
+      for (int64_t j = first_key; j < visible; ++j) {
         scores[j] = std::exp(scores[j] - max_score);
         denom += scores[j];
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < visible; ++j) {
+      for (int64_t j = first_key; j < visible; ++j) {
         const int64_t slot = static_cast<int64_t>(blocks[j / bs]) * bs + j % bs;
         const float* vv = vl + slot * row + kvh * hd;
         const float p = scores[j];

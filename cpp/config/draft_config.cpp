@@ -1,0 +1,113 @@
+// DFlash drafter config.json parsing and target compatibility checks.
+#include "config/draft_config.h"
+
+#include <cmath>
+#include <filesystem>
+
+namespace dflash {
+
+std::vector<int> build_target_layer_ids(int64_t num_target_layers, int64_t num_draft_layers) {
+  if (num_draft_layers == 1) return {static_cast<int>(num_target_layers / 2)};
+  const double start = 1.0, end = static_cast<double>(num_target_layers - 3);
+  std::vector<int> ids;
+  for (int64_t i = 0; i < num_draft_layers; ++i) {
+    // Python's round(): half to even.
+    const double x = start + i * (end - start) / static_cast<double>(num_draft_layers - 1);
+    ids.push_back(static_cast<int>(std::nearbyint(x)));
+  }
+  return ids;
+}
+
+DraftConfig draft_config_load(const std::string& draft_dir) {
+  namespace fs = std::filesystem;
+  DFLASH_CHECK(fs::is_directory(draft_dir), "drafter directory not found: ", draft_dir);
+  const std::string path = (fs::path(draft_dir) / "config.json").string();
+  DFLASH_CHECK(fs::exists(path), draft_dir, ": missing config.json");
+  Json j = json_read_file(path);
+  DFLASH_CHECK(j.is_object(), path, ": expected a JSON object");
+  std::string arch;
+  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
+      j["architectures"][0].is_string()) {
+    arch = j["architectures"][0].get<std::string>();
+  }
+  DFLASH_CHECK(arch == "DFlashDraftModel", path, ": field 'architectures' is '", arch,
+               "', expected 'DFlashDraftModel'");
+  // The drafter is a Qwen3 stack: reuse the target parser on a Qwen3-typed copy.
+  Json geo = j;
+  geo["architectures"] = Json::array({"Qwen3ForCausalLM"});
+  geo.erase("eos_token_id");
+  DraftConfig d;
+  d.path = path;
+  d.geometry = model_config_from_json(geo, path);
+  const Json empty = Json::object();
+  const Json& dc = j.contains("dflash_config") && j["dflash_config"].is_object() ? j["dflash_config"] : empty;
+  if (auto b = json_opt_int(j, "block_size", path)) {
+    d.block_size = *b;
+  } else if (auto b2 = json_opt_int(dc, "block_size", path + " dflash_config")) {
+    d.block_size = *b2;
+  } else {
+    DFLASH_CHECK(false, path, ": missing field 'block_size'");
+  }
+  DFLASH_CHECK(d.block_size >= 2 && d.block_size <= 64, path, ": field 'block_size' must be in [2, 64], got ",
+               d.block_size);
+  d.num_target_layers = json_opt_int(j, "num_target_layers", path).value_or(0);
+  if (dc.contains("target_layer_ids") && !dc["target_layer_ids"].is_null()) {
+    DFLASH_CHECK(dc["target_layer_ids"].is_array() && !dc["target_layer_ids"].empty(), path,
+                 ": field 'dflash_config.target_layer_ids' must be a non-empty list");
+    for (const auto& x : dc["target_layer_ids"]) {
+      DFLASH_CHECK(x.is_number_integer(), path, ": field 'dflash_config.target_layer_ids' must hold integers");
+      d.target_layer_ids.push_back(x.get<int>());
+    }
+  } else {
+    DFLASH_CHECK(d.num_target_layers > 0, path,
+                 ": neither 'dflash_config.target_layer_ids' nor 'num_target_layers' is given");
+    d.target_layer_ids = build_target_layer_ids(d.num_target_layers, d.geometry.num_layers);
+  }
+  auto mask = json_opt_int(dc, "mask_token_id", path + " dflash_config");
+  if (!mask) mask = json_opt_int(j, "mask_token_id", path);
+  DFLASH_CHECK(mask.has_value(), path, ": missing field 'dflash_config.mask_token_id'");
+  d.mask_token_id = *mask;
+  // layer_types / sliding_window: sliding layers attend causally within the window (the
+  // semantics of vLLM and SGLang); full layers attend to the whole context and block.
+  d.sliding_window.assign(d.geometry.num_layers, 0);
+  if (j.contains("layer_types") && j["layer_types"].is_array()) {
+    const Json& lt = j["layer_types"];
+    DFLASH_CHECK(static_cast<int64_t>(lt.size()) == d.geometry.num_layers, path,
+                 ": field 'layer_types' has ", lt.size(), " entries for ", d.geometry.num_layers,
+                 " layers");
+    for (size_t i = 0; i < lt.size(); ++i) {
+      DFLASH_CHECK(lt[i].is_string(), path, ": field 'layer_types' must hold strings");
+      const std::string t = lt[i].get<std::string>();
+      if (t == "full_attention") continue;
+      DFLASH_CHECK(t == "sliding_attention", path, ": unsupported layer type '", t, "' in 'layer_types'");
+      auto w = json_opt_int(j, "sliding_window", path);
+      DFLASH_CHECK(w.has_value() && *w > 0, path,
+                   ": 'layer_types' has sliding_attention but 'sliding_window' is missing");
+      d.sliding_window[i] = *w;
+    }
+  }
+  return d;
+}
+
+void draft_config_check_target(const DraftConfig& d, const ModelConfig& t, const std::string& target_dir) {
+  const std::string both = d.path + " vs " + target_dir + "/config.json";
+  DFLASH_CHECK(d.geometry.vocab_size == t.vocab_size, both, ": field 'vocab_size' differs (drafter ",
+               d.geometry.vocab_size, ", target ", t.vocab_size, ")");
+  DFLASH_CHECK(d.geometry.hidden_size == t.hidden_size, both,
+               ": field 'hidden_size' differs (drafter ", d.geometry.hidden_size, ", target ", t.hidden_size,
+               "); the drafter uses the target's embedding and lm_head");
+  DFLASH_CHECK(d.mask_token_id >= 0 && d.mask_token_id < t.vocab_size, both,
+               ": field 'dflash_config.mask_token_id' (", d.mask_token_id, ") is outside the target vocabulary (",
+               t.vocab_size, ")");
+  if (d.num_target_layers > 0) {
+    DFLASH_CHECK(d.num_target_layers == t.num_layers, both, ": field 'num_target_layers' is ",
+                 d.num_target_layers, " but the target has ", t.num_layers, " layers");
+  }
+  for (int id : d.target_layer_ids) {
+    DFLASH_CHECK(id >= 0 && id < t.num_layers, both, ": field 'dflash_config.target_layer_ids' holds ", id,
+                 ", outside the target's ", t.num_layers, " layers");
+  }
+  DFLASH_CHECK(d.geometry.num_heads % d.geometry.num_kv_heads == 0, both, ": drafter head geometry is invalid");
+}
+
+}  // namespace dflash

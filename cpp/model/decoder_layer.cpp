@@ -1,0 +1,94 @@
+// Decoder layer weights, scratch and forward (see decoder_layer.h).
+#include "model/decoder_layer.h"
+
+#include <algorithm>
+
+namespace dflash {
+
+LayerGeometry layer_geometry(const ModelConfig& c) {
+  LayerGeometry g;
+  g.hidden = c.hidden_size;
+  g.num_heads = c.num_heads;
+  g.num_kv_heads = c.num_kv_heads;
+  g.head_dim = c.head_dim;
+  g.intermediate = c.intermediate_size;
+  g.eps = static_cast<float>(c.rms_norm_eps);
+  g.qk_norm = c.qk_norm;
+  return g;
+}
+
+LayerWeights layer_weights_load(Backend& backend, const Checkpoint& ckpt, const std::string& p,
+                                const LayerGeometry& g, size_t* bytes) {
+  const int64_t h = g.hidden, hd = g.head_dim, nh = g.num_heads, nkv = g.num_kv_heads, inter = g.intermediate;
+  auto load = [&](const std::vector<std::string>& names, const std::vector<std::vector<int64_t>>& shapes) {
+    std::vector<const StoredTensor*> parts;
+    for (size_t i = 0; i < names.size(); ++i) parts.push_back(&ckpt.get(p + names[i], shapes[i]));
+    Tensor t = backend.weight(parts);
+    *bytes += t.nbytes();
+    return t;
+  };
+  LayerWeights w;
+  w.input_norm = load({"input_layernorm.weight"}, {{h}});
+  w.qkv = load({"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"},
+               {{nh * hd, h}, {nkv * hd, h}, {nkv * hd, h}});
+  if (g.qk_norm) {
+    w.q_norm = load({"self_attn.q_norm.weight"}, {{hd}});
+    w.k_norm = load({"self_attn.k_norm.weight"}, {{hd}});
+  }
+  w.o = load({"self_attn.o_proj.weight"}, {{h, nh * hd}});
+  w.post_norm = load({"post_attention_layernorm.weight"}, {{h}});
+  w.gate_up = load({"mlp.gate_proj.weight", "mlp.up_proj.weight"}, {{inter, h}, {inter, h}});
+  w.down = load({"mlp.down_proj.weight"}, {{h, inter}});
+  return w;
+}
+
+LayerScratch::LayerScratch(Backend& b, const LayerGeometry& g, int64_t t) {
+  const DType dt = b.compute_dtype();
+  normed = b.empty({t, g.hidden}, dt);
+  qkv = b.empty({t, (g.num_heads + 2 * g.num_kv_heads) * g.head_dim}, dt);
+  q = b.empty({t, g.num_heads, g.head_dim}, dt);
+  k = b.empty({t, g.num_kv_heads, g.head_dim}, dt);
+  v = b.empty({t, g.num_kv_heads, g.head_dim}, dt);
+  attn = b.empty({t, g.num_heads, g.head_dim}, dt);
+  proj = b.empty({t, g.hidden}, dt);
+  gate_up = b.empty({t, 2 * g.intermediate}, dt);
+  act = b.empty({t, g.intermediate}, dt);
+}
+
+void decoder_layer_forward(Backend& b, const LayerWeights& w, const LayerGeometry& g, bool first,
+                           const Tensor& positions, const Tensor& inv_freq, const Tensor& slots,
+                           const AttentionMeta& meta, KVPool& pool, int64_t layer, Tensor& residual,
+                           LayerScratch& s) {
+  const int64_t t = residual.dim(0);
+  if (first) {
+    b.rms_norm(residual, w.input_norm, g.eps, s.normed);
+  } else {
+    b.add_rms_norm(residual, s.proj, w.input_norm, g.eps, s.normed);
+  }
+  b.linear(s.normed, w.qkv, s.qkv);
+  b.qkv_norm_rope(s.qkv, w.q_norm, w.k_norm, g.eps, positions, inv_freq, 1.0f, s.q, s.k, s.v);
+  b.kv_write(pool, layer, s.k, s.v, slots);
+  b.paged_attention(s.q, pool, layer, meta, s.attn);
+  b.linear(s.attn.reshape({t, g.num_heads * g.head_dim}), w.o, s.proj);
+  b.add_rms_norm(residual, s.proj, w.post_norm, g.eps, s.normed);
+  b.linear(s.normed, w.gate_up, s.gate_up);
+  b.silu_mul(s.gate_up, s.act);
+  b.linear(s.act, w.down, s.proj);
+}
+
+AttentionMeta attention_meta_build(Backend& backend, const ForwardBatch& batch, bool causal) {
+  AttentionMeta meta;
+  meta.num_seqs = batch.num_seqs();
+  meta.max_blocks_per_seq = batch.max_blocks_per_seq;
+  meta.causal = causal;
+  meta.query_start = backend.upload_i32(batch.query_start.data(), {meta.num_seqs + 1});
+  meta.kv_len = backend.upload_i32(batch.kv_len.data(), {meta.num_seqs});
+  meta.block_table = backend.upload_i32(batch.block_table.data(), {meta.num_seqs, batch.max_blocks_per_seq});
+  for (int s = 0; s < meta.num_seqs; ++s) {
+    meta.max_query_len = std::max(meta.max_query_len, batch.query_start[s + 1] - batch.query_start[s]);
+    meta.max_kv_len = std::max(meta.max_kv_len, batch.kv_len[s]);
+  }
+  return meta;
+}
+
+}  // namespace dflash

@@ -1,0 +1,59 @@
+// One pre-norm Llama/Qwen3 decoder layer (attention with optional QK-norm and rotate-half
+// RoPE over the paged KV cache, then a SwiGLU MLP), shared by the target and the DFlash
+// drafter. Weights are stored fused: QKV stacked [(nh + 2 nkv) hd, H], gate/up stacked [2 I, H].
+#pragma once
+
+#include <string>
+
+#include "backend/backend.h"
+#include "config/model_config.h"
+#include "model/forward_batch.h"
+#include "weights/safetensors.h"
+
+namespace dflash {
+
+struct LayerGeometry {
+  int64_t hidden = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, intermediate = 0;
+  float eps = 1e-6f;
+  bool qk_norm = false;
+};
+
+LayerGeometry layer_geometry(const ModelConfig& c);
+
+struct LayerWeights {
+  Tensor input_norm;  // [H]
+  Tensor qkv;         // [(nh + 2 nkv) hd, H]
+  Tensor q_norm;      // [hd] or empty
+  Tensor k_norm;      // [hd] or empty
+  Tensor o;           // [H, nh hd]
+  Tensor post_norm;   // [H]
+  Tensor gate_up;     // [2 I, H]
+  Tensor down;        // [H, I]
+
+  // The K/V rows of the fused QKV weight: [2 nkv hd, H] (a view, no copy).
+  Tensor kv_weight(const LayerGeometry& g) const { return qkv.rows(g.num_heads * g.head_dim, qkv.dim(0)); }
+};
+
+// Loads `prefix` + {input_layernorm, self_attn.*, post_attention_layernorm, mlp.*}.weight with
+// shape checks; adds the bytes uploaded to *bytes.
+LayerWeights layer_weights_load(Backend& backend, const Checkpoint& ckpt, const std::string& prefix,
+                                const LayerGeometry& g, size_t* bytes);
+
+// Scratch activations of a forward over `tokens` rows.
+struct LayerScratch {
+  Tensor normed, qkv, q, k, v, attn, proj, gate_up, act;
+  LayerScratch(Backend& backend, const LayerGeometry& g, int64_t tokens);
+};
+
+// Runs one layer. The residual stream is residual + s.proj (the previous layer's MLP output,
+// added lazily with the fused add+norm); `first` says s.proj holds nothing yet. On return
+// s.proj holds this layer's MLP output, so the layer's output is residual + s.proj.
+void decoder_layer_forward(Backend& backend, const LayerWeights& w, const LayerGeometry& g, bool first,
+                           const Tensor& positions, const Tensor& inv_freq, const Tensor& slots,
+                           const AttentionMeta& meta, KVPool& pool, int64_t layer, Tensor& residual,
+                           LayerScratch& s);
+
+// AttentionMeta of a ForwardBatch, uploaded to the backend.
+AttentionMeta attention_meta_build(Backend& backend, const ForwardBatch& batch, bool causal);
+
+}  // namespace dflash

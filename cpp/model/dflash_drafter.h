@@ -1,0 +1,53 @@
+// The DFlash drafter (z-lab DFlashDraftModel checkpoints, unchanged): fc + hidden_norm turn
+// the target's tapped hidden states into context features; every drafter layer projects them
+// with its own k_proj/v_proj/k_norm/RoPE into its paged KV cache (append-only, "KV injection");
+// a draft is one non-causal forward over the block [anchor, MASK x n] whose final-normed states
+// at block positions 1..n go through the target's lm_head. Embedding and lm_head are the
+// target's.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "config/draft_config.h"
+#include "model/decoder_layer.h"
+#include "model/forward_batch.h"
+#include "model/transformer.h"
+
+namespace dflash {
+
+class DFlashDrafter {
+ public:
+  // Loads draft_dir/model.safetensors; checks it against the target (errors name both).
+  DFlashDrafter(const DraftConfig& config, const std::string& draft_dir, Backend& backend,
+                const Transformer& target, const std::string& target_dir);
+
+  const DraftConfig& config() const { return config_; }
+  size_t weight_bytes() const { return weight_bytes_; }
+  KVPool make_kv_pool(int64_t num_blocks, int64_t block_size) const;
+
+  // Writes the context K/V of committed tokens into every layer of `pool`.
+  // taps: [C, num_taps * target_hidden] target layer outputs; positions, slots: [C].
+  void update_context(const Tensor& taps, const std::vector<int32_t>& positions,
+                      const std::vector<int32_t>& slots, KVPool& pool);
+
+  // One draft forward. batch.token_ids holds each request's block [anchor, mask x n] at
+  // positions q0 .. q0 + n (kv_len = q0 + n + 1, slots for the block rows), and logit_rows the
+  // block rows 1..n. Returns the logits [logit_rows, V] (fp32).
+  Tensor draft(const ForwardBatch& batch, KVPool& pool);
+
+ private:
+  DraftConfig config_;
+  LayerGeometry geometry_;
+  Backend& backend_;
+  const Transformer& target_;
+  Tensor fc_;           // [H, num_taps * target_hidden]
+  Tensor hidden_norm_;  // [H]
+  Tensor norm_;         // [H]
+  Tensor inv_freq_;     // [hd / 2]
+  std::vector<LayerWeights> layers_;
+  size_t weight_bytes_ = 0;
+};
+
+}  // namespace dflash
