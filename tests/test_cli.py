@@ -54,3 +54,16 @@ def test_errors_are_one_line_not_tracebacks(tmp_path):
     assert "error" in proc.stderr and "Traceback" not in proc.stderr
     proc = _run("convert-gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "o"), check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
+
+
+def test_generate_with_draft_reports_acceptance(tiny_model_dirs, tmp_path):
+    from dflash.drafter_format import write_dflash_drafter
+
+    target = tiny_model_dirs["llama_gqa"]
+    cfg = json.loads((target / "config.json").read_text())
+    dr = write_dflash_drafter(tmp_path / "d", target_config=cfg, num_layers=1, target_layer_ids=[0, 1], block_size=4)
+    plain = _run("generate", "--model", str(target), "--no-chat", "--max-tokens", "12", "--json", "hello there")
+    spec = _run("generate", "--model", str(target), "--draft", str(dr), "--no-chat", "--max-tokens", "12",
+                "--json", "hello there")
+    assert json.loads(spec.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    assert "acceptance length (tau)" in spec.stderr and "acceptance by position" in spec.stderr

@@ -47,6 +47,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise SystemExit("dflash generate: give a PROMPT or --file FILE (one of the two)")
     prompts: List[Any] = [args.prompt] if args.prompt is not None else _read_prompts(args.file)
     kwargs = {}
+    if args.draft:
+        kwargs["draft"] = args.draft
+    if args.num_speculative_tokens:
+        kwargs["num_speculative_tokens"] = args.num_speculative_tokens
     if args.threads:
         kwargs["num_threads"] = args.threads
     session = dflash.Session(model_dir, device=args.device, max_model_len=args.max_model_len, **kwargs)
@@ -94,6 +98,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"[{session.stats()['device']}]",
             file=sys.stderr,
         )
+        st = session.stats()
+        if st["num_spec_steps"]:
+            per_pos = st["accepted_per_position"]
+            rates = " ".join(f"{c / st['num_spec_steps']:.2f}" for c in per_pos)
+            print(
+                f"dflash: speculative decoding: acceptance length (tau) {st['acceptance_length']:.2f} "
+                f"tokens/step over {st['num_spec_steps']} steps; {st['num_accepted']}/{st['num_drafted']} "
+                f"drafts accepted; acceptance by position: {rates}",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -113,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", help="the prompt (or use --file)")
     g.add_argument("--file", help="prompts, one per line (or .jsonl with 'prompt'/'messages')")
     g.add_argument("--model", help="HF model directory (default: SmolLM2-135M-Instruct, converted once)")
+    g.add_argument("--draft", help="DFlash drafter directory (DFlashDraftModel): speculative decoding")
+    g.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="draft tokens per step (default: the drafter's block_size - 1)")
     chat = g.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap prompts as user messages in the chat template (default when the model has one)")
