@@ -91,3 +91,33 @@ def test_greedy_64_tokens_match_transformers_batched_and_alone(smol_session, hf_
         alone = smol_session.generate([prompt], params)[0]
         assert alone.token_ids == out.token_ids
     assert_no_leaks(smol_session)
+
+
+MORE_PROMPTS = PROMPTS + [
+    "Translate 'good morning' into French.",
+    "What is 12 times 13?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "Give one tip for learning to code.",
+]
+
+
+def test_random_drafter_is_lossless_batch_1_and_8(smol_session, smol_dir, tmp_path):
+    """SmolLM2 with a random drafter of DFlash geometry scaled to it (5 layers, hidden 576, block 16)."""
+    import json
+
+    import dflash
+    from dflash.drafter_format import write_dflash_drafter
+
+    cfg = json.loads((smol_dir / "config.json").read_text())
+    dr = write_dflash_drafter(tmp_path / "smol_draft", target_config=cfg, num_layers=5, block_size=16, seed=7,
+                              init_std=0.05)
+    spec = dflash.Session(smol_dir, draft=dr, device="cpu")
+    params = dflash.SamplingParams(max_tokens=20, temperature=0.0)
+    ids = [_chat_ids(smol_session, p) for p in MORE_PROMPTS]
+    expect = smol_session.generate(ids, params)
+    got = spec.generate(ids, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expect]
+    alone = spec.generate(ids[:1], params)[0]
+    assert alone.token_ids == expect[0].token_ids
+    assert spec.stats()["num_speculative_tokens"] == 15
+    assert_no_leaks(spec)

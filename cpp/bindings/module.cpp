@@ -195,7 +195,11 @@ NB_MODULE(_core, m) {
       .def_ro("num_drafted", &EngineStats::num_drafted)
       .def_ro("num_accepted", &EngineStats::num_accepted)
       .def_ro("num_spec_emitted", &EngineStats::num_spec_emitted)
-      .def_ro("accepted_per_position", &EngineStats::accepted_per_position);
+      .def_ro("accepted_per_position", &EngineStats::accepted_per_position)
+      .def_ro("time_draft_s", &EngineStats::time_draft_s)
+      .def_ro("time_verify_s", &EngineStats::time_verify_s)
+      .def_ro("time_accept_s", &EngineStats::time_accept_s)
+      .def_ro("time_context_s", &EngineStats::time_context_s);
 
   nb::class_<SessionStats>(m, "SessionStats")
       .def_ro("device", &SessionStats::device)

@@ -26,6 +26,8 @@ struct EngineStats {
   int64_t num_accepted = 0;
   int64_t num_spec_emitted = 0;
   std::vector<int64_t> accepted_per_position;
+  // Wall time of the phases of draft-verify steps (seconds, backend synchronised).
+  double time_draft_s = 0.0, time_verify_s = 0.0, time_accept_s = 0.0, time_context_s = 0.0;
 };
 
 // The drafter side of an engine: the model, its KV pool (same block ids as the target's) and

@@ -53,6 +53,15 @@ std::vector<int32_t> argmax_rows(Backend& backend, const Tensor& logits) {
   return out;
 }
 
+// Seconds since `*t`, after the backend finished its queued work; resets `*t`.
+double lap(Backend& backend, Clock::time_point* t) {
+  backend.synchronize();
+  const Clock::time_point now = Clock::now();
+  const double s = std::chrono::duration<double>(now - *t).count();
+  *t = now;
+  return s;
+}
+
 }  // namespace
 
 std::vector<StepOutput> Engine::speculative_step(const std::vector<Request*>& running) {
@@ -61,6 +70,7 @@ std::vector<StepOutput> Engine::speculative_step(const std::vector<Request*>& ru
   const int32_t mask = static_cast<int32_t>(drafter.config().mask_token_id);
   const int64_t vocab = model_.config().vocab_size;
   const int max_blocks = max_blocks_of(running);
+  Clock::time_point t = Clock::now();
 
   // 1. Draft for every request past its prefill.
   std::vector<std::vector<int32_t>> drafts(running.size());
@@ -86,6 +96,8 @@ std::vector<StepOutput> Engine::speculative_step(const std::vector<Request*>& ru
     }
   }
 
+  stats_.time_draft_s += lap(backend_, &t);
+
   // 2. Verify: one causal target forward with taps over prompts and [anchor, drafts] blocks.
   ForwardBatch verify;
   verify.want_taps = true;
@@ -104,6 +116,7 @@ std::vector<StepOutput> Engine::speculative_step(const std::vector<Request*>& ru
   std::vector<float> logits(fwd.logits.numel());
   backend_.download_f32(fwd.logits, logits.data());
   stats_.num_forward_tokens += verify.num_tokens();
+  stats_.time_verify_s += lap(backend_, &t);
 
   // 3. Accept and commit.
   const Clock::time_point now = Clock::now();
@@ -164,6 +177,8 @@ std::vector<StepOutput> Engine::speculative_step(const std::vector<Request*>& ru
     outputs.push_back(std::move(out));
   }
 
+  stats_.time_accept_s += lap(backend_, &t);
+
   // 4. Context update: the committed rows' target features into the drafter's KV cache.
   if (!ctx_rows.empty()) {
     const int64_t c = static_cast<int64_t>(ctx_rows.size());
@@ -172,6 +187,7 @@ std::vector<StepOutput> Engine::speculative_step(const std::vector<Request*>& ru
     backend_.gather_rows(fwd.taps, rows, taps);
     drafter.update_context(taps, ctx_positions, ctx_slots, *spec_.pool);
   }
+  stats_.time_context_s += lap(backend_, &t);
   return outputs;
 }
 

@@ -338,4 +338,6 @@ class Session:
             "num_accepted": e.num_accepted,
             "acceptance_length": (e.num_spec_emitted / e.num_spec_steps) if e.num_spec_steps else 0.0,
             "accepted_per_position": list(e.accepted_per_position),
+            "spec_time_s": {"draft": e.time_draft_s, "verify": e.time_verify_s,
+                            "accept": e.time_accept_s, "context_update": e.time_context_s},
         }
