@@ -2,11 +2,30 @@
 #include "common/thread_pool.h"
 
 #include <algorithm>
+#include <exception>
+
+#include "common/error.h"
 
 namespace dflash {
 
 ThreadPool::ThreadPool(int num_threads) {
-  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  try {
+    workers_.reserve(num_threads > 1 ? num_threads - 1 : 0);
+    for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  } catch (const std::exception& e) {
+    // The OS refused a thread: stop and join those started (destroying a joinable
+    // std::thread would terminate the process) and report it.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    const size_t started = workers_.size();
+    for (auto& t : workers_) t.join();
+    workers_.clear();
+    throw Error(detail::concat("cannot start ", num_threads, " CPU threads (started ", started + 1,
+                               "): ", e.what(), "; pass a smaller num_threads"));
+  }
 }
 
 ThreadPool::~ThreadPool() {

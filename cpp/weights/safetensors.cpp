@@ -173,10 +173,17 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       uint64_t end = info["data_offsets"][1].get<uint64_t>();
       DFLASH_CHECK(begin <= end && end <= data_bytes, what, ": data_offsets [", begin, ", ", end,
                    ") lie outside the file's ", data_bytes, " data bytes (truncated file?)");
-      DFLASH_CHECK(end - begin == static_cast<uint64_t>(t.numel()) * elem, what, ": header says ",
-                   end - begin, " bytes but shape ", shape_str(t.shape), " of ", dt, " needs ",
-                   static_cast<uint64_t>(t.numel()) * elem);
-      if (!readable) continue;  // other dtypes are validated but never read
+      uint64_t need = elem;  // shape x dtype size, refusing shapes whose size overflows
+      for (int64_t d : t.shape) {
+        DFLASH_CHECK(!__builtin_mul_overflow(need, static_cast<uint64_t>(d), &need), what,
+                     ": shape ", shape_str(t.shape), " is too large");
+      }
+      DFLASH_CHECK(end - begin == need, what, ": header says ", end - begin, " bytes but shape ",
+                   shape_str(t.shape), " of ", dt, " needs ", need);
+      if (!readable) {  // other dtypes are validated but never read
+        unreadable_.emplace(name, dt);
+        continue;
+      }
       t.data = data + begin;
       t.nbytes = end - begin;
       tensors_.emplace(name, std::move(t));
@@ -227,16 +234,27 @@ Checkpoint::Checkpoint(const std::string& model_dir) : dir_(model_dir) {
                    "' appears in more than one shard");
       index_[name] = &t;
     }
+    for (const auto& [name, dt] : files_.back()->unreadable()) unreadable_[name] = dt;
   }
   for (const auto& [name, file] : weight_map) {
     auto it = index_.find(name);
-    DFLASH_CHECK(it != index_.end(), index.string(), ": tensor '", name, "' listed for ", file,
-                 " is not in that shard");
+    const bool in_shard = it != index_.end() ? it->second->file == (dir / file).string()
+                                             : unreadable_.count(name) != 0;
+    const std::string where =
+        it != index_.end() ? " (it is in " + fs::path(it->second->file).filename().string() + ")"
+                           : std::string();
+    DFLASH_CHECK(in_shard, index.string(), ": tensor '", name, "' listed for ", file,
+                 " is not in that shard", where);
   }
 }
 
 const StoredTensor& Checkpoint::get(const std::string& name) const {
   auto it = index_.find(name);
+  if (it == index_.end()) {
+    auto u = unreadable_.find(name);
+    DFLASH_CHECK(u == unreadable_.end(), dir_, ": tensor '", name, "' has dtype ", u->second,
+                 ", which dflash cannot load (supported: F32, BF16, F16)");
+  }
   DFLASH_CHECK(it != index_.end(), dir_, ": checkpoint has no tensor '", name, "'");
   return *it->second;
 }

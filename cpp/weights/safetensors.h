@@ -38,6 +38,8 @@ class SafetensorsFile {
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
 
   const std::map<std::string, StoredTensor>& tensors() const { return tensors_; }
+  // Tensors with a valid header entry but a dtype dflash cannot read: name -> dtype.
+  const std::map<std::string, std::string>& unreadable() const { return unreadable_; }
   const std::string& path() const { return path_; }
 
  private:
@@ -45,6 +47,7 @@ class SafetensorsFile {
   void* map_ = nullptr;
   size_t map_bytes_ = 0;
   std::map<std::string, StoredTensor> tensors_;
+  std::map<std::string, std::string> unreadable_;
 };
 
 // All tensors of a model directory.
@@ -64,6 +67,7 @@ class Checkpoint {
   std::string dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, const StoredTensor*> index_;
+  std::map<std::string, std::string> unreadable_;  // name -> dtype of unloadable tensors
 };
 
 float half_to_float(uint16_t h);

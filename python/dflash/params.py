@@ -64,8 +64,9 @@ class SamplingParams:
                 if not isinstance(s, str) or not s:
                     raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         if self.stop_token_ids is not None:
-            if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
-                raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            ids = self.stop_token_ids
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+                raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
             ids = list(self.stop_token_ids)
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:

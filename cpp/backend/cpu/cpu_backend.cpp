@@ -4,9 +4,11 @@
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 namespace dflash {
 
@@ -44,7 +46,10 @@ void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* o
 }  // namespace
 
 CpuBackend::CpuBackend(int num_threads) : num_threads_(num_threads) {
-  DFLASH_ARG_CHECK(num_threads >= 1, "num_threads must be >= 1, got ", num_threads);
+  // Each thread is an OS thread: an absurd count would exhaust the host's process ids first.
+  const int max_threads = std::max(1024, static_cast<int>(std::thread::hardware_concurrency()));
+  DFLASH_ARG_CHECK(num_threads >= 1 && num_threads <= max_threads,
+                   "num_threads must be in [1, ", max_threads, "], got ", num_threads);
   scipy_openblas_set_num_threads(num_threads);
   pool_ = std::make_unique<ThreadPool>(num_threads);
 }

@@ -1,0 +1,1 @@
+# tests/reference: plain-PyTorch reference implementations used by the tests.
