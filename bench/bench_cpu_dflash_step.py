@@ -71,10 +71,11 @@ def run(sess, prompts, new_tokens):
            "step_s": (t2 - t1) / max(steps, 1), "decode_tokens": tokens,
            "decode_tokens_per_s": tokens / (t2 - t1)}
     if after.get("num_spec_steps"):
-        n_steps = after["num_spec_steps"] - before["num_spec_steps"]
+        # Phase timers cover every draft-verify step (the prefill step included when it
+        # drafts nothing); per engine step = divided by the engine steps that drafted.
         phases = {k: (after["spec_time_s"][k] - before["spec_time_s"][k]) for k in after["spec_time_s"]}
-        out["spec_steps"] = n_steps
-        out["phase_s_per_step"] = {k: v / max(n_steps, 1) for k, v in phases.items()}
+        out["request_spec_steps"] = after["num_spec_steps"] - before["num_spec_steps"]
+        out["phase_s_per_step"] = {k: v / max(steps, 1) for k, v in phases.items()}
         emitted = sum(r.metrics.num_spec_emitted for r in results)
         out["tau"] = emitted / max(sum(r.metrics.num_spec_steps for r in results), 1)
     return out

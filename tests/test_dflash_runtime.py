@@ -233,3 +233,34 @@ def test_session_metrics_and_stats(tmp_path, tiny_model_dirs):
     assert st["num_drafted"] == 4 * st["num_spec_steps"]
     assert st["accepted_per_position"] == [sum(x) for x in zip(*(o.metrics.accepted_per_position for o in outs))]
     assert st["acceptance_length"] >= 1.0
+
+
+def test_bf16_drafter_like_published_checkpoints(tmp_path, tiny_model_dirs, hf_model):
+    # z-lab drafters are stored in bfloat16; the runtime reads them (fp32 on the CPU).
+    target = tiny_model_dirs["qwen3"]
+    dr = _drafter(tmp_path, target, num_layers=2, target_layer_ids=[0, 1], block_size=8, dtype="bfloat16")
+    cfg = json.loads((dr / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and "dflash_config" in cfg
+    sess = dflash.Session(target, draft=dr, num_threads=2)
+    prompt = _prompts(1, seed=21)[0]
+    ids, logits = sess.propose(prompt)
+    ref_ids, ref_logits = propose_ref(hf_model(target), load_drafter(dr), prompt)
+    assert ids.tolist() == ref_ids.tolist()
+    assert np.max(np.abs(logits - ref_logits.numpy())) <= 1e-4
+
+
+def test_default_target_layer_ids_rule(tmp_path, tiny_model_dirs, hf_model):
+    # Without dflash_config.target_layer_ids the published rule picks them from num_target_layers.
+    target = tiny_model_dirs["llama_gqa"]
+    dr = _drafter(tmp_path, target, num_layers=1, block_size=4)  # rule for (2 layers, 1 draft layer) -> [1]
+    cfg = json.loads((dr / "config.json").read_text())
+    del cfg["dflash_config"]["target_layer_ids"]
+    (dr / "config.json").write_text(json.dumps(cfg))
+    sess = dflash.Session(target, draft=dr, num_threads=2)
+    ref = load_drafter(dr)
+    assert ref.target_layer_ids == [1]
+    p = _prompts(1, seed=22)[0]
+    ids, logits = sess.propose(p)
+    ref_ids, ref_logits = propose_ref(hf_model(target), ref, p)
+    assert ids.tolist() == ref_ids.tolist()
+    assert np.max(np.abs(logits - ref_logits.numpy())) <= 1e-4

@@ -17,6 +17,13 @@ LayerGeometry layer_geometry(const ModelConfig& c) {
   return g;
 }
 
+Tensor weight_load(Backend& backend, const Checkpoint& ckpt, const std::string& name,
+                   const std::vector<int64_t>& shape, size_t* bytes) {
+  Tensor t = backend.weight({&ckpt.get(name, shape)});
+  *bytes += t.nbytes();
+  return t;
+}
+
 LayerWeights layer_weights_load(Backend& backend, const Checkpoint& ckpt, const std::string& p,
                                 const LayerGeometry& g, size_t* bytes) {
   const int64_t h = g.hidden, hd = g.head_dim, nh = g.num_heads, nkv = g.num_kv_heads, inter = g.intermediate;

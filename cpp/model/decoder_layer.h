@@ -34,6 +34,10 @@ struct LayerWeights {
   Tensor kv_weight(const LayerGeometry& g) const { return qkv.rows(g.num_heads * g.head_dim, qkv.dim(0)); }
 };
 
+// Uploads one stored tensor (shape-checked) in the compute dtype; adds its bytes to *bytes.
+Tensor weight_load(Backend& backend, const Checkpoint& ckpt, const std::string& name,
+                   const std::vector<int64_t>& shape, size_t* bytes);
+
 // Loads `prefix` + {input_layernorm, self_attn.*, post_attention_layernorm, mlp.*}.weight with
 // shape checks; adds the bytes uploaded to *bytes.
 LayerWeights layer_weights_load(Backend& backend, const Checkpoint& ckpt, const std::string& prefix,

@@ -18,9 +18,7 @@ DFlashDrafter::DFlashDrafter(const DraftConfig& config, const std::string& draft
                config_.target_layer_ids.size(), " target layers x ", target.config().hidden_size,
                " (hidden_size of ", target_dir, "/config.json)]");
   auto load = [&](const std::string& name, std::vector<int64_t> shape) {
-    Tensor t = backend_.weight({&ckpt.get(name, shape)});
-    weight_bytes_ += t.nbytes();
-    return t;
+    return weight_load(backend_, ckpt, name, shape, &weight_bytes_);
   };
   fc_ = load("fc.weight", {h, fc_in});
   hidden_norm_ = load("hidden_norm.weight", {h});

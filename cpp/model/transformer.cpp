@@ -15,9 +15,7 @@ Transformer::Transformer(const ModelConfig& config, const Checkpoint& ckpt, Back
                      config.num_layers, " layers");
   }
   auto load = [&](const std::string& name, std::vector<int64_t> shape) {
-    Tensor t = backend_.weight({&ckpt.get(name, shape)});
-    weight_bytes_ += t.nbytes();
-    return t;
+    return weight_load(backend_, ckpt, name, shape, &weight_bytes_);
   };
   embed_ = load("model.embed_tokens.weight", {v, h});
   final_norm_ = load("model.norm.weight", {h});
