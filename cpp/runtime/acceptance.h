@@ -24,8 +24,4 @@ struct AcceptResult {
 AcceptResult accept_drafts(const int32_t* drafts, int64_t n, const float* logits, int64_t vocab,
                            const SampleRow& row, int64_t first_position);
 
-// The tokens kept by top-k / top-p at `temperature` and their probabilities (summing to 1).
-void filtered_distribution(const float* logits, int64_t vocab, const SampleRow& row,
-                           std::vector<int32_t>* ids, std::vector<double>* probs);
-
 }  // namespace dflash

@@ -6,7 +6,7 @@
 // Also Engine::propose, the one-prompt inspection used to debug drafters.
 #include <algorithm>
 
-#include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/host_sampling.h"
 #include "runtime/acceptance.h"
 #include "runtime/engine.h"
 

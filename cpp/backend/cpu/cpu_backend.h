@@ -55,8 +55,4 @@ class CpuBackend final : public Backend {
   std::unique_ptr<ThreadPool> pool_;
 };
 
-// One row of sampling on the host (shared with tests and other host code).
-// logits[V] fp32; returns the token id.
-int32_t sample_row_host(const float* logits, int64_t vocab, const SampleRow& row);
-
 }  // namespace dflash
