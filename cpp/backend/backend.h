@@ -65,6 +65,12 @@ class Backend {
   virtual Tensor upload_i32(const int32_t* host, const std::vector<int64_t>& shape) = 0;
   virtual void download_f32(const Tensor& t, float* host) = 0;
   virtual void synchronize() = 0;
+  // Starts a step: per-step scratch memory is reused from here (CUDA arena).
+  virtual void begin_step() {}
+  // Free and total device memory; false for the host.
+  virtual bool device_memory(size_t* free_bytes, size_t* total_bytes) const { return false; }
+  // Bytes of workspaces allocated up front (scratch arena, GEMM workspace).
+  virtual size_t workspace_bytes() const { return 0; }
 
   // out[T, H] = table[ids[T], :]
   virtual void embedding(const Tensor& table, const Tensor& ids, Tensor& out) = 0;
@@ -102,7 +108,13 @@ class Backend {
   virtual int num_threads() const = 0;
 };
 
-// device: "cpu" (or "cuda" once that backend exists). Throws InvalidArgument otherwise.
-std::unique_ptr<Backend> backend_create(const std::string& device, int num_threads);
+// device: "cpu" or "cuda" (when built with CUDA). Throws InvalidArgument otherwise.
+// scratch_bytes sizes the CUDA per-step arena.
+std::unique_ptr<Backend> backend_create(const std::string& device, int num_threads, size_t scratch_bytes);
+
+// True when this build contains the CUDA backend.
+bool backend_built_with_cuda();
+// True when this build has the CUDA backend and a Hopper GPU is usable (driver and device).
+bool backend_cuda_usable();
 
 }  // namespace dflash

@@ -18,6 +18,11 @@ namespace nb = nanobind;
 using namespace nb::literals;
 using namespace dflash;
 
+#ifdef DFLASH_WITH_CUDA
+void bind_cuda_testing(nb::module_& testing);
+void bind_triton_testing(nb::module_& testing);
+#endif
+
 namespace {
 
 // Copies a float vector into a new numpy array of shape [rows, cols].
@@ -97,7 +102,8 @@ NB_MODULE(_core, m) {
       PyErr_SetString(dflash_error.ptr(), e.what());
     }
   });
-  m.def("built_with_cuda", []() { return false; });
+  m.def("built_with_cuda", &backend_built_with_cuda);
+  m.def("cuda_usable", &backend_cuda_usable, "This build has the CUDA backend and a Hopper GPU is usable.");
 
   // Test-only access to pieces of the runtime (not public API).
   nb::module_ testing = m.def_submodule("testing", "Test access to runtime internals");
@@ -118,6 +124,10 @@ NB_MODULE(_core, m) {
       .def("truncate", &BlockTable::truncate, "tokens"_a)
       .def("slot", &BlockTable::slot, "pos"_a)
       .def("release", &BlockTable::release, "allocator"_a);
+#ifdef DFLASH_WITH_CUDA
+  bind_cuda_testing(testing);
+  bind_triton_testing(testing);
+#endif
 
   nb::class_<SessionConfig>(m, "SessionConfig")
       .def(nb::init<>())
@@ -130,7 +140,8 @@ NB_MODULE(_core, m) {
       .def_rw("num_threads", &SessionConfig::num_threads)
       .def_rw("tap_layers", &SessionConfig::tap_layers)
       .def_rw("draft_dir", &SessionConfig::draft_dir)
-      .def_rw("num_speculative_tokens", &SessionConfig::num_speculative_tokens);
+      .def_rw("num_speculative_tokens", &SessionConfig::num_speculative_tokens)
+      .def_rw("gpu_memory_utilization", &SessionConfig::gpu_memory_utilization);
 
   nb::class_<SamplingConfig>(m, "SamplingConfig")
       .def(nb::init<>())
@@ -211,6 +222,7 @@ NB_MODULE(_core, m) {
       .def_ro("num_free_blocks", &SessionStats::num_free_blocks)
       .def_ro("max_model_len", &SessionStats::max_model_len)
       .def_ro("num_threads", &SessionStats::num_threads)
+      .def_ro("workspace_bytes", &SessionStats::workspace_bytes)
       .def_ro("draft_weight_bytes", &SessionStats::draft_weight_bytes)
       .def_ro("draft_kv_cache_bytes", &SessionStats::draft_kv_cache_bytes)
       .def_ro("num_speculative_tokens", &SessionStats::num_speculative_tokens)

@@ -13,7 +13,7 @@
 
 namespace dflash {
 
-enum class DType { kF32, kBF16, kF16, kI32 };
+enum class DType { kF32, kBF16, kF16, kI32, kU8 };
 enum class DeviceKind { kCPU, kCUDA };
 
 inline size_t dtype_size(DType t) {
@@ -22,6 +22,7 @@ inline size_t dtype_size(DType t) {
     case DType::kI32: return 4;
     case DType::kBF16: return 2;
     case DType::kF16: return 2;
+    case DType::kU8: return 1;
   }
   return 0;
 }
@@ -32,6 +33,7 @@ inline const char* dtype_name(DType t) {
     case DType::kI32: return "int32";
     case DType::kBF16: return "bfloat16";
     case DType::kF16: return "float16";
+    case DType::kU8: return "uint8";
   }
   return "?";
 }

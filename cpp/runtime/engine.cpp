@@ -152,6 +152,7 @@ std::vector<int32_t> pending_tokens(const Request* r) {
 std::vector<StepOutput> Engine::step() {
   std::vector<Request*> running = scheduler_.schedule();
   if (running.empty()) return {};
+  backend_.begin_step();
   stats_.num_steps += 1;
   return spec_.drafter ? speculative_step(running) : autoregressive_step(running);
 }

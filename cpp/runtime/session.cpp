@@ -15,6 +15,18 @@ int64_t host_memory_bytes() {
   return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : (int64_t{8} << 30);
 }
 
+// The CUDA per-step arena: activations of the largest step, the logits it can produce, taps
+// and metadata, with headroom.
+size_t scratch_bytes(const ModelConfig& c, const SessionConfig& s, int64_t num_taps, int64_t spec_tokens) {
+  const int64_t rows = std::max<int64_t>(s.max_num_batched_tokens, s.max_num_seqs * (spec_tokens + 1));
+  const int64_t logit_rows = std::max<int64_t>(s.max_num_seqs * (spec_tokens + 1), 1);
+  const int64_t width = c.hidden_size * (4 + num_taps) + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
+                        2 * c.num_heads * c.head_dim + 3 * c.intermediate_size;
+  const int64_t activations = rows * width * 2;
+  const int64_t logits = logit_rows * c.vocab_size * 4 * 2;
+  return static_cast<size_t>(activations + logits + (64ll << 20));
+}
+
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
@@ -29,11 +41,12 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   DFLASH_ARG_CHECK(config.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1");
   DFLASH_ARG_CHECK(config.max_model_len >= 0, "max_model_len must be positive");
   DFLASH_ARG_CHECK(config.kv_cache_tokens >= 0, "kv_cache_tokens must be positive");
+  DFLASH_ARG_CHECK(config.gpu_memory_utilization > 0.0 && config.gpu_memory_utilization <= 1.0,
+                   "gpu_memory_utilization must be in (0, 1], got ", config.gpu_memory_utilization);
   config_ = model_config_load(model_dir);
   int threads = config.num_threads > 0
                     ? config.num_threads
                     : std::max(1u, std::thread::hardware_concurrency());
-  backend_ = backend_create(config.device, threads);
   std::vector<int> taps = config.tap_layers;
   DraftConfig draft_config;
   if (!config.draft_dir.empty()) {
@@ -48,6 +61,11 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   } else {
     DFLASH_ARG_CHECK(config.num_speculative_tokens == 0, "num_speculative_tokens needs a draft model");
   }
+  const int64_t spec_tokens = config.draft_dir.empty() ? 0
+                              : config.num_speculative_tokens > 0 ? config.num_speculative_tokens
+                                                                  : draft_config.block_size - 1;
+  backend_ = backend_create(config.device, threads,
+                            scratch_bytes(config_, config, static_cast<int64_t>(taps.size()), spec_tokens));
   checkpoint_ = std::make_unique<Checkpoint>(model_dir);
   model_ = std::make_unique<Transformer>(config_, *checkpoint_, *backend_, taps);
   if (!config.draft_dir.empty()) {
@@ -66,7 +84,17 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
     bytes_per_token += 2 * g.num_layers * g.num_kv_heads * g.head_dim * dtype_size(backend_->compute_dtype());
   }
   int64_t kv_tokens = config.kv_cache_tokens;
-  if (kv_tokens == 0) {
+  size_t free_bytes = 0, total_bytes = 0;
+  if (kv_tokens == 0 && backend_->device_memory(&free_bytes, &total_bytes)) {
+    // GPU: what is left of gpu_memory_utilization x total after weights and workspaces.
+    const double keep = (1.0 - config.gpu_memory_utilization) * static_cast<double>(total_bytes);
+    const double budget = static_cast<double>(free_bytes) - keep;
+    kv_tokens = budget > 0 ? static_cast<int64_t>(budget / bytes_per_token) : 0;
+    kv_tokens = std::min<int64_t>(kv_tokens, std::max<int64_t>(max_model_len_, 1) * 4096);
+    DFLASH_ARG_CHECK(kv_tokens >= max_model_len_, "GPU memory left for the KV cache holds ", kv_tokens,
+                     " tokens, less than max_model_len=", max_model_len_,
+                     "; raise gpu_memory_utilization or lower max_model_len");
+  } else if (kv_tokens == 0) {
     // Enough for one request of max_model_len and for batching; pages are touched lazily,
     // but stay within 40 % of host memory.
     const int64_t budget = host_memory_bytes() * 2 / 5 / bytes_per_token;
@@ -88,6 +116,7 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
         config.num_speculative_tokens > 0 ? config.num_speculative_tokens : drafter_->config().block_size - 1;
   }
 
+  kv_cache_tokens_ = num_blocks * config.block_size;
   SchedulerConfig sched;
   sched.block_size = config.block_size;
   sched.max_num_seqs = config.max_num_seqs;
@@ -146,6 +175,7 @@ SessionStats Session::stats() const {
   s.kv_cache_tokens = s.num_blocks * s.block_size;
   s.max_model_len = max_model_len_;
   s.num_threads = backend_->num_threads();
+  s.workspace_bytes = static_cast<int64_t>(backend_->workspace_bytes());
   s.engine = engine_->stats();
   if (drafter_) {
     s.draft_weight_bytes = static_cast<int64_t>(drafter_->weight_bytes());

@@ -28,6 +28,7 @@ struct SessionConfig {
   std::vector<int> tap_layers;         // hidden-state taps (set from the drafter when there is one)
   std::string draft_dir;               // a DFlashDraftModel directory: speculative decoding
   int64_t num_speculative_tokens = 0;  // drafts per step, 1..block_size-1 (0: block_size-1)
+  double gpu_memory_utilization = 0.9;  // CUDA: fraction of GPU memory this session may use
 };
 
 struct RequestResult {
@@ -50,6 +51,7 @@ struct SessionStats {
   int64_t num_free_blocks = 0;
   int64_t max_model_len = 0;
   int num_threads = 0;
+  int64_t workspace_bytes = 0;
   int64_t draft_weight_bytes = 0;
   int64_t draft_kv_cache_bytes = 0;
   int64_t num_speculative_tokens = 0;  // 0 without a drafter
@@ -87,6 +89,7 @@ class Session {
   KVPool draft_pool_;
   std::unique_ptr<Engine> engine_;
   int64_t max_model_len_ = 0;
+  int64_t kv_cache_tokens_ = 0;
 };
 
 }  // namespace dflash

@@ -207,6 +207,7 @@ void Engine::propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* d
                    "not enough free KV cache blocks for propose()");
   BlockTable table(bs);
   table.reserve(p + n + 1, allocator_);
+  backend_.begin_step();
   try {
     ForwardBatch pre;
     pre.want_taps = true;

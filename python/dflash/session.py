@@ -19,6 +19,7 @@ PromptLike = Union[str, Sequence[int], Sequence[Message]]
 
 # Keyword arguments of Session beyond the named ones, with their C++ config field.
 _RUNTIME_KWARGS = {
+    "gpu_memory_utilization": "gpu_memory_utilization",
     "block_size": "block_size",
     "max_num_seqs": "max_num_seqs",
     "max_num_batched_tokens": "max_num_batched_tokens",
@@ -58,7 +59,7 @@ def _resolve_device(device: str) -> str:
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     if device == "auto":
-        return "cuda" if _core.built_with_cuda() else "cpu"
+        return "cuda" if _core.cuda_usable() else "cpu"
     return device
 
 
@@ -76,8 +77,9 @@ class Session:
     max_model_len: longest prompt + generation (default: the model's max_position_embeddings).
     kv_cache_tokens: size of the paged KV cache in tokens (default: from max_model_len and
         memory).
-    kwargs: block_size, max_num_seqs, max_num_batched_tokens, num_threads. Unknown keywords
-        raise TypeError.
+    kwargs: block_size, max_num_seqs, max_num_batched_tokens, num_threads (CPU),
+        gpu_memory_utilization (CUDA: fraction of GPU memory for weights, workspaces and the KV
+        cache, default 0.9). Unknown keywords raise TypeError.
     """
 
     def __init__(
@@ -114,6 +116,11 @@ class Session:
                     or num_speculative_tokens < 1:
                 raise ValueError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
             config.num_speculative_tokens = num_speculative_tokens
+        utilization = kwargs.pop("gpu_memory_utilization", None)
+        if utilization is not None:
+            if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+            config.gpu_memory_utilization = float(utilization)
         for name, value in kwargs.items():
             setattr(config, _RUNTIME_KWARGS[name], _positive_int(name, value))
         self.model_dir = model_dir
@@ -326,6 +333,7 @@ class Session:
             "num_free_blocks": s.num_free_blocks,
             "max_model_len": s.max_model_len,
             "num_threads": s.num_threads,
+            "workspace_bytes": s.workspace_bytes,
             "num_steps": e.num_steps,
             "num_forward_tokens": e.num_forward_tokens,
             "num_generated_tokens": e.num_generated_tokens,

@@ -238,13 +238,4 @@ void CpuBackend::gather_rows(const Tensor& x, const Tensor& rows, Tensor& out) {
   }
 }
 
-std::unique_ptr<Backend> backend_create(const std::string& device, int num_threads) {
-  if (device == "cpu") return std::make_unique<CpuBackend>(num_threads);
-  if (device == "cuda") {
-    throw InvalidArgument(
-        "device='cuda' was asked for, but this build of dflash has no CUDA backend yet");
-  }
-  throw InvalidArgument("device must be 'auto', 'cpu' or 'cuda', got '" + device + "'");
-}
-
 }  // namespace dflash

@@ -1,0 +1,254 @@
+// CUDA backend: memory (persistent allocations + per-step scratch arena) and op dispatch to
+// cuBLASLt, the Triton attention kernels and the kernels of cuda/kernels.h.
+#include "backend/cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "backend/cuda/cuda_check.h"
+#include "cuda/kernels.h"
+#include "triton_kernels/triton_attention.h"
+
+namespace dflash {
+
+namespace {
+
+__nv_bfloat16* bf(const Tensor& t) { return static_cast<__nv_bfloat16*>(t.data); }
+const int32_t* i32(const Tensor& t) { return static_cast<const int32_t*>(t.data); }
+
+void check_bf16(const Tensor& t, const char* what) {
+  DFLASH_CHECK(t.dtype == DType::kBF16 && t.device == DeviceKind::kCUDA, what, ": expected a bf16 CUDA tensor");
+}
+
+}  // namespace
+
+CudaBackend::CudaBackend(int device, size_t scratch_bytes) : device_(device), scratch_bytes_(scratch_bytes) {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    throw InvalidArgument(std::string("device='cuda' was asked for, but no usable GPU was found (") +
+                          (err != cudaSuccess ? cudaGetErrorString(err) : "no CUDA devices") + ")");
+  }
+  DFLASH_ARG_CHECK(device >= 0 && device < count, "CUDA device ", device, " does not exist (", count, " found)");
+  DFLASH_CUDA_CHECK(cudaSetDevice(device));
+  cudaDeviceProp prop;
+  DFLASH_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  DFLASH_CHECK(prop.major == 9, "the CUDA backend is built for Hopper (sm_90a); device ", device, " is sm_",
+               prop.major, prop.minor);
+  DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  DFLASH_CUDA_CHECK(cudaMalloc(&scratch_, scratch_bytes_));
+  DFLASH_CUDA_CHECK(cudaMalloc(&gemm_workspace_, gemm_workspace_bytes_));
+  gemm_ = std::make_unique<CublasLtGemm>(gemm_workspace_, gemm_workspace_bytes_);
+  triton_ = std::make_unique<triton_aot::Modules>();  // every Triton module, loaded once
+}
+
+CudaBackend::~CudaBackend() {
+  triton_.reset();
+  gemm_.reset();
+  if (stream_) cudaStreamSynchronize(stream_);
+  if (gemm_workspace_) cudaFree(gemm_workspace_);
+  if (scratch_) cudaFree(scratch_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+bool CudaBackend::usable() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return false;
+  }
+  cudaDeviceProp prop;
+  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9;
+}
+
+bool CudaBackend::device_memory(size_t* free_bytes, size_t* total_bytes) const {
+  return cudaMemGetInfo(free_bytes, total_bytes) == cudaSuccess;
+}
+
+Tensor CudaBackend::persistent(const std::vector<int64_t>& shape, DType dtype) {
+  Tensor t;
+  t.shape = shape;
+  t.dtype = dtype;
+  t.device = DeviceKind::kCUDA;
+  void* p = nullptr;
+  const size_t bytes = std::max<size_t>(t.nbytes(), 256);
+  cudaError_t err = cudaMalloc(&p, bytes);
+  DFLASH_CHECK(err == cudaSuccess, "out of GPU memory allocating ", bytes, " bytes (", cudaGetErrorString(err), ")");
+  t.storage = std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
+  t.data = p;
+  return t;
+}
+
+Tensor CudaBackend::empty(const std::vector<int64_t>& shape, DType dtype) {
+  Tensor t;
+  t.shape = shape;
+  t.dtype = dtype;
+  t.device = DeviceKind::kCUDA;
+  const size_t bytes = (t.nbytes() + 255) / 256 * 256;
+  DFLASH_CHECK(scratch_used_ + bytes <= scratch_bytes_, "the CUDA scratch arena (", scratch_bytes_,
+               " bytes) is too small for this step; lower max_num_batched_tokens / max_num_seqs");
+  t.data = static_cast<char*>(scratch_) + scratch_used_;
+  scratch_used_ += bytes;
+  return t;
+}
+
+Tensor CudaBackend::zeros(const std::vector<int64_t>& shape, DType dtype) {
+  Tensor t = persistent(shape, dtype);
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.nbytes(), stream_));
+  return t;
+}
+
+Tensor CudaBackend::weight(const std::vector<const StoredTensor*>& parts) {
+  std::vector<int64_t> shape = parts.at(0)->shape;
+  for (size_t i = 1; i < parts.size(); ++i) shape[0] += parts[i]->shape[0];
+  Tensor t = persistent(shape, DType::kBF16);
+  std::vector<uint16_t> host(t.numel());
+  uint16_t* dst = host.data();
+  for (const StoredTensor* p : parts) {
+    p->to_bf16(dst);
+    dst += p->numel();
+  }
+  DFLASH_CUDA_CHECK(cudaMemcpy(t.data, host.data(), t.nbytes(), cudaMemcpyHostToDevice));
+  return t;
+}
+
+Tensor CudaBackend::upload_f32(const float* host, const std::vector<int64_t>& shape) {
+  Tensor t = persistent(shape, DType::kF32);
+  DFLASH_CUDA_CHECK(cudaMemcpy(t.data, host, t.nbytes(), cudaMemcpyHostToDevice));
+  return t;
+}
+
+Tensor CudaBackend::upload_i32(const int32_t* host, const std::vector<int64_t>& shape) {
+  Tensor t = empty(shape, DType::kI32);
+  if (t.nbytes()) DFLASH_CUDA_CHECK(cudaMemcpyAsync(t.data, host, t.nbytes(), cudaMemcpyHostToDevice, stream_));
+  return t;
+}
+
+void CudaBackend::download_f32(const Tensor& t, float* host) {
+  if (t.dtype == DType::kF32) {
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(host, t.data, t.nbytes(), cudaMemcpyDeviceToHost, stream_));
+  } else {
+    check_bf16(t, "download_f32");
+    Tensor f = empty(t.shape, DType::kF32);
+    DFLASH_CUDA_CHECK(cuda::bf16_to_f32(bf(t), t.numel(), f.ptr<float>(), stream_));
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(host, f.data, f.nbytes(), cudaMemcpyDeviceToHost, stream_));
+  }
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::synchronize() { DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+void CudaBackend::embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
+  DFLASH_CUDA_CHECK(cuda::embedding(bf(table), i32(ids), ids.numel(), table.dim(1), table.dim(0), bf(out), nullptr,
+                                    stream_));
+}
+
+void CudaBackend::rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
+  const int64_t h = w.numel();
+  DFLASH_CUDA_CHECK(cuda::rms_norm(bf(x), bf(w), x.numel() / h, h, eps, bf(out), stream_));
+}
+
+void CudaBackend::add_rms_norm(Tensor& residual, const Tensor& x, const Tensor& w, float eps, Tensor& out) {
+  const int64_t h = w.numel();
+  DFLASH_CUDA_CHECK(cuda::add_rms_norm(bf(residual), bf(x), bf(w), residual.numel() / h, h, eps, bf(out), stream_));
+}
+
+void CudaBackend::linear(const Tensor& x, const Tensor& w, Tensor& out) {
+  const int64_t n = w.dim(0), k = w.dim(1), m = x.numel() / k;
+  DFLASH_CHECK(x.numel() == m * k && out.numel() == m * n, "linear: shape mismatch x ", shape_str(x.shape), " w ",
+               shape_str(w.shape), " out ", shape_str(out.shape));
+  gemm_->linear(x.data, w.data, out.data, m, n, k, out.dtype == DType::kF32, stream_);
+}
+
+void CudaBackend::silu_mul(const Tensor& gate_up, Tensor& out) {
+  const int64_t inter = out.dim(-1);
+  DFLASH_CUDA_CHECK(cuda::silu_mul(bf(gate_up), out.numel() / inter, inter, bf(out), stream_));
+}
+
+void CudaBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
+  DFLASH_CUDA_CHECK(cuda::add(bf(a), bf(b), a.numel(), bf(out), stream_));
+}
+
+void CudaBackend::qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, float eps,
+                                const Tensor& positions, const Tensor& inv_freq, float rope_scale, Tensor& q,
+                                Tensor& k, Tensor& v) {
+  DFLASH_CHECK(rope_scale == 1.0f, "the CUDA backend supports RoPE attention scaling 1.0 only");
+  DFLASH_CUDA_CHECK(cuda::qkv_norm_rope(bf(qkv), q_norm.empty() ? nullptr : bf(q_norm),
+                                        k_norm.empty() ? nullptr : bf(k_norm), eps, i32(positions),
+                                        inv_freq.ptr<float>(), k.dim(0), q.dim(1), k.dim(1), k.dim(2),
+                                        q.dim(1) ? bf(q) : nullptr, bf(k), bf(v), stream_));
+}
+
+void CudaBackend::kv_write(KVPool& pool, int64_t layer, const Tensor& k, const Tensor& v, const Tensor& slots) {
+  const int64_t row = pool.num_kv_heads * pool.head_dim;
+  const int64_t layer_elems = pool.num_blocks * pool.block_size * row;
+  DFLASH_CUDA_CHECK(cuda::kv_write(bf(k), bf(v), i32(slots), slots.numel(), row, bf(pool.k) + layer * layer_elems,
+                                   bf(pool.v) + layer * layer_elems, stream_));
+}
+
+void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t layer, const AttentionMeta& meta,
+                                  Tensor& out) {
+  const int64_t row = pool.num_kv_heads * pool.head_dim;
+  const int64_t layer_elems = pool.num_blocks * pool.block_size * row;
+  triton_aot::PagedAttentionArgs a{};
+  a.q = q.data;
+  a.k_pool = bf(pool.k) + layer * layer_elems;
+  a.v_pool = bf(pool.v) + layer * layer_elems;
+  a.out = out.data;
+  a.query_start = i32(meta.query_start);
+  a.kv_len = i32(meta.kv_len);
+  a.block_table = i32(meta.block_table);
+  a.num_seqs = meta.num_seqs;
+  a.num_tokens = static_cast<int32_t>(q.dim(0));
+  a.num_heads = static_cast<int32_t>(q.dim(1));
+  a.num_kv_heads = static_cast<int32_t>(pool.num_kv_heads);
+  a.head_dim = static_cast<int32_t>(pool.head_dim);
+  a.block_size = static_cast<int32_t>(pool.block_size);
+  a.max_blocks_per_seq = meta.max_blocks_per_seq;
+  a.max_query_len = meta.max_query_len;
+  a.max_kv_len = meta.max_kv_len;
+  a.causal = meta.causal;
+  a.window = static_cast<int32_t>(meta.window);
+  a.scale = 1.0f / std::sqrt(static_cast<float>(pool.head_dim));
+  // Split-KV workspace for long contexts: taken from the scratch arena.
+  const size_t ws = triton_aot::paged_attention_workspace_bytes(a.num_tokens, a.num_heads, a.head_dim, 16);
+  if (scratch_used_ + ws <= scratch_bytes_ && meta.max_kv_len >= 2048) {
+    Tensor w = empty({static_cast<int64_t>(ws)}, DType::kU8);
+    a.workspace = w.data;
+    a.workspace_bytes = ws;
+  }
+  CUresult r = triton_aot::paged_attention(*triton_, stream_, a);
+  DFLASH_CHECK(r == CUDA_SUCCESS, "Triton paged attention failed (CUresult ", static_cast<int>(r), ")");
+}
+
+void CudaBackend::copy_columns(const Tensor& src, Tensor& dst, int64_t col) {
+  const int64_t rows = src.dim(0);
+  DFLASH_CUDA_CHECK(cuda::copy_columns(bf(src), rows, src.numel() / rows, bf(dst), dst.numel() / rows, col, stream_));
+}
+
+void CudaBackend::gather_rows(const Tensor& x, const Tensor& rows, Tensor& out) {
+  const int64_t width = x.numel() / x.dim(0);
+  DFLASH_CUDA_CHECK(cuda::gather_rows(x.data, i32(rows), rows.numel(), width, dtype_size(x.dtype), out.data, stream_));
+}
+
+void CudaBackend::sample(const Tensor& logits, const std::vector<SampleRow>& rows, int32_t* tokens_out) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  if (n == 0) return;
+  std::vector<cuda::SampleParams> params(n);
+  for (int64_t i = 0; i < n; ++i) {
+    params[i] = {rows[i].temperature, rows[i].top_k, rows[i].top_p, static_cast<uint32_t>(rows[i].seed),
+                 static_cast<uint32_t>(rows[i].seed >> 32), rows[i].position};
+  }
+  Tensor dev_params = empty({static_cast<int64_t>(n * sizeof(cuda::SampleParams))}, DType::kU8);
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(dev_params.data, params.data(), n * sizeof(cuda::SampleParams),
+                                    cudaMemcpyHostToDevice, stream_));
+  Tensor tokens = empty({n}, DType::kI32);
+  DFLASH_CUDA_CHECK(cuda::sample(logits.ptr<float>(), n, logits.dim(1),
+                                 static_cast<const cuda::SampleParams*>(dev_params.data), tokens.ptr<int32_t>(),
+                                 stream_));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(tokens_out, tokens.data, n * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+}  // namespace dflash

@@ -1,0 +1,75 @@
+// The CUDA backend: bf16 weights and activations, fp32 accumulation and logits, one stream.
+// GEMMs through cuBLASLt, paged attention through AOT-compiled Triton kernels, everything
+// else through the hand-written kernels of cuda/. Weights and KV pools are allocated once;
+// per-step tensors come from a scratch arena allocated up front and reset at each step, so
+// no allocation happens inside a step (the next issue captures steps into CUDA graphs).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <memory>
+
+#include "backend/backend.h"
+#include "backend/cuda/cublaslt_gemm.h"
+
+namespace dflash {
+
+namespace triton_aot {
+class Modules;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  // scratch_bytes: the per-step arena (activations, logits, metadata).
+  CudaBackend(int device, size_t scratch_bytes);
+  ~CudaBackend() override;
+  // A GPU of compute capability 9.x is visible and the driver works.
+  static bool usable();
+
+  DeviceKind kind() const override { return DeviceKind::kCUDA; }
+  std::string name() const override { return "cuda"; }
+  DType compute_dtype() const override { return DType::kBF16; }
+  int num_threads() const override { return 1; }
+  void begin_step() override { scratch_used_ = 0; }
+  bool device_memory(size_t* free_bytes, size_t* total_bytes) const override;
+  size_t workspace_bytes() const override { return scratch_bytes_ + gemm_workspace_bytes_; }
+
+  Tensor empty(const std::vector<int64_t>& shape, DType dtype) override;
+  Tensor zeros(const std::vector<int64_t>& shape, DType dtype) override;
+  Tensor weight(const std::vector<const StoredTensor*>& parts) override;
+  Tensor upload_f32(const float* host, const std::vector<int64_t>& shape) override;
+  Tensor upload_i32(const int32_t* host, const std::vector<int64_t>& shape) override;
+  void download_f32(const Tensor& t, float* host) override;
+  void synchronize() override;
+
+  void embedding(const Tensor& table, const Tensor& ids, Tensor& out) override;
+  void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) override;
+  void add_rms_norm(Tensor& residual, const Tensor& x, const Tensor& w, float eps, Tensor& out) override;
+  void linear(const Tensor& x, const Tensor& w, Tensor& out) override;
+  void silu_mul(const Tensor& gate_up, Tensor& out) override;
+  void add(const Tensor& a, const Tensor& b, Tensor& out) override;
+  void qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, float eps,
+                     const Tensor& positions, const Tensor& inv_freq, float rope_scale, Tensor& q, Tensor& k,
+                     Tensor& v) override;
+  void kv_write(KVPool& pool, int64_t layer, const Tensor& k, const Tensor& v, const Tensor& slots) override;
+  void paged_attention(const Tensor& q, const KVPool& pool, int64_t layer, const AttentionMeta& meta,
+                       Tensor& out) override;
+  void copy_columns(const Tensor& src, Tensor& dst, int64_t col) override;
+  void gather_rows(const Tensor& x, const Tensor& rows, Tensor& out) override;
+  void sample(const Tensor& logits, const std::vector<SampleRow>& rows, int32_t* tokens_out) override;
+
+ private:
+  Tensor persistent(const std::vector<int64_t>& shape, DType dtype);
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+  size_t scratch_used_ = 0;
+  void* gemm_workspace_ = nullptr;
+  size_t gemm_workspace_bytes_ = 32u << 20;
+  std::unique_ptr<CublasLtGemm> gemm_;
+  std::unique_ptr<triton_aot::Modules> triton_;
+};
+
+}  // namespace dflash

@@ -1,0 +1,97 @@
+// The registry of hand-written CUDA kernels: one launcher per op, each in its own .cu file.
+// Launchers never allocate, never synchronise and never throw: they return cudaError_t.
+// Activations and weights are bf16 ([...] shapes are row-major, contiguous unless a stride is
+// given); accumulation is fp32; logits are fp32. All launch on `stream`.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace dflash {
+namespace cuda {
+
+// out[T, H] = table[ids[T], :]; ids outside [0, vocab) write zeros and set *bad_id (device
+// int32, may be null) to 1.
+cudaError_t embedding(const __nv_bfloat16* table, const int32_t* ids, int64_t num_tokens, int64_t hidden,
+                      int64_t vocab, __nv_bfloat16* out, int32_t* bad_id, cudaStream_t stream);
+
+// out[R, H] = rmsnorm(x[R, H]) * w[H]   (fp32 statistics)
+cudaError_t rms_norm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t rows, int64_t hidden, float eps,
+                     __nv_bfloat16* out, cudaStream_t stream);
+
+// residual[R, H] += x[R, H]; out = rmsnorm(residual) * w   (residual kept in bf16, sum in fp32)
+cudaError_t add_rms_norm(__nv_bfloat16* residual, const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t rows,
+                         int64_t hidden, float eps, __nv_bfloat16* out, cudaStream_t stream);
+
+// out[R, I] = silu(gate_up[R, :I]) * gate_up[R, I:]
+cudaError_t silu_mul(const __nv_bfloat16* gate_up, int64_t rows, int64_t inter, __nv_bfloat16* out,
+                     cudaStream_t stream);
+
+// out[n] = a[n] + b[n]
+cudaError_t add(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, __nv_bfloat16* out,
+                cudaStream_t stream);
+
+// Splits qkv[T, (nh + 2 nkv) hd] into q[T, nh, hd], k[T, nkv, hd], v[T, nkv, hd]; per-head
+// RMSNorm of q and k when q_norm / k_norm [hd] are non-null (Qwen3); rotate-half RoPE at
+// positions[T] with inv_freq[hd/2] (fp32), angle = position * inv_freq in fp32.
+// num_heads may be 0 (the drafter's context path: K/V only), then q may be null.
+cudaError_t qkv_norm_rope(const __nv_bfloat16* qkv, const __nv_bfloat16* q_norm, const __nv_bfloat16* k_norm,
+                          float eps, const int32_t* positions, const float* inv_freq, int64_t num_tokens,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, __nv_bfloat16* q,
+                          __nv_bfloat16* k, __nv_bfloat16* v, cudaStream_t stream);
+
+// k_pool/v_pool [num_slots, nkv * hd] of one layer: rows slots[T] = k[T], v[T].
+cudaError_t kv_write(const __nv_bfloat16* k, const __nv_bfloat16* v, const int32_t* slots, int64_t num_tokens,
+                     int64_t row_elems, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool, cudaStream_t stream);
+
+// out[R, W] = x[rows[R], :]   (elem_bytes = 2 for bf16, 4 for fp32)
+cudaError_t gather_rows(const void* x, const int32_t* rows, int64_t num_rows, int64_t width, int64_t elem_bytes,
+                        void* out, cudaStream_t stream);
+
+// dst[R, col:col + C] = src[R, C]  with dst row stride dst_width (bf16)
+cudaError_t copy_columns(const __nv_bfloat16* src, int64_t rows, int64_t cols, __nv_bfloat16* dst,
+                         int64_t dst_width, int64_t col, cudaStream_t stream);
+
+// fp32 <-> bf16 element conversion
+cudaError_t bf16_to_f32(const __nv_bfloat16* x, int64_t n, float* out, cudaStream_t stream);
+cudaError_t f32_to_bf16(const float* x, int64_t n, __nv_bfloat16* out, cudaStream_t stream);
+
+// Per-row sampling parameters on the device (mirrors dflash::SampleRow).
+struct SampleParams {
+  float temperature;  // <= 0: greedy
+  int32_t top_k;      // 0: off
+  float top_p;        // 1: off
+  uint32_t seed_lo, seed_hi;
+  int64_t position;   // absolute position of the sampled token (the Philox counter)
+};
+
+// tokens[R] = argmax / sample of logits[R, V] (fp32) with params[R]: Gumbel-max over the
+// tokens kept by top-k / top-p at the row's temperature, randomness from Philox keyed by
+// (seed, position, token id) on the target-sampling stream (common/philox.h, the same stream
+// definition as the CPU backend).
+cudaError_t sample(const float* logits, int64_t rows, int64_t vocab, const SampleParams* params, int32_t* tokens,
+                   cudaStream_t stream);
+
+// Acceptance of n draft tokens per request without a host round trip per token.
+// drafts [R, n]; logits [R, n + 1, V] fp32 (row j: the target's distribution for the token at
+// position params[r].position + j, where drafts[r, j] sits); params[r].position = position of
+// the first draft. Greedy rows: longest prefix where draft == argmax, then the argmax after it.
+// Sampling rows: exact rejection sampling for a one-hot proposal with temperature/top-k/top-p
+// applied to the target: accept d with probability p(d) (uniform on the acceptance stream),
+// on rejection draw from p without d, after a full accept draw the bonus from p.
+// Outputs num_accepted[R] (0..n) and next_token[R].
+cudaError_t accept_drafts(const int32_t* drafts, const float* logits, int64_t num_seqs, int64_t n, int64_t vocab,
+                          const SampleParams* params, int32_t* num_accepted, int32_t* next_token,
+                          cudaStream_t stream);
+
+// The drafter's context path after the stacked K/V GEMM: kv[C, 2 nkv hd] (K then V of one
+// layer) → k = RMSNorm(K) per head with k_norm[hd], RoPE at positions[C]; write k, v into that
+// layer's pools [num_slots, nkv * hd] at slots[C].
+cudaError_t kv_norm_rope_write(const __nv_bfloat16* kv, const __nv_bfloat16* k_norm, float eps,
+                               const int32_t* positions, const float* inv_freq, const int32_t* slots,
+                               int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, __nv_bfloat16* k_pool,
+                               __nv_bfloat16* v_pool, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace dflash
