@@ -20,10 +20,15 @@ def sess(tiny_model_dirs):
     return dflash.Session(tiny_model_dirs["llama_gqa"], device="cpu", num_threads=2)
 
 
-def test_public_names_and_build_info():
+def test_public_names_and_build_info(tiny_model_dirs):
     assert set(dflash.__all__) == {"Session", "SamplingParams", "RequestOutput", "RequestMetrics", "DFlashError"}
     assert issubclass(dflash.DFlashError, RuntimeError)
-    assert dflash.built_with_cuda() is False
+    assert isinstance(dflash.built_with_cuda(), bool)
+    if not dflash._core.cuda_usable():  # a CPU machine: asking for CUDA says why it cannot
+        match = "no usable GPU" if dflash.built_with_cuda() else "no CUDA backend"
+        with pytest.raises(ValueError, match=match):
+            dflash.Session(tiny_model_dirs["llama_gqa"], device="cuda")
+        assert dflash.Session(tiny_model_dirs["llama_gqa"], device="auto").stats()["device"] == "cpu"
     p = dflash.SamplingParams()
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.stop_token_ids) == (
         256, 0.0, 1.0, 0, None, None, None)

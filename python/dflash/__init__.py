@@ -4,9 +4,11 @@ Public API: Session, SamplingParams, RequestOutput, RequestMetrics, DFlashError.
 """
 
 from dflash.errors import DFlashError
+from dflash._blas import preload_cublaslt as _preload_cublaslt  # noqa: E402
 from dflash._blas import preload_openblas as _preload_openblas  # noqa: E402
 
 _preload_openblas()
+_preload_cublaslt()
 
 from dflash import _core  # noqa: E402
 from dflash.params import SamplingParams  # noqa: E402

@@ -13,3 +13,17 @@ def preload_openblas() -> None:
     path = os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas.so")
     if os.path.exists(path):
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
+def preload_cublaslt() -> None:
+    """Loads libcublasLt from the PyPI package nvidia-cublas when it is installed, so the CUDA
+    backend (which dlopens it by soname) finds it without LD_LIBRARY_PATH. Absent: nothing."""
+    try:
+        import nvidia.cu13 as cu13
+    except ImportError:
+        return
+    for root in cu13.__path__:
+        path = os.path.join(root, "lib", "libcublasLt.so.13")
+        if os.path.exists(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return

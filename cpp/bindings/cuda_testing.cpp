@@ -1,0 +1,272 @@
+// Test-only bindings of the CUDA kernels of cuda/kernels.h, added to dflash._core.testing as
+// cuda_<op>. They take torch CUDA tensors (contiguous; outputs are passed in, nothing is
+// allocated here except the SampleParams array of sample / accept_drafts), launch on the
+// default stream, synchronise, and turn a CUDA error into dflash::Error.
+#include <cuda_runtime.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "common/error.h"
+#include "cuda/kernels.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace dflash {
+namespace {
+
+using Any = nb::ndarray<nb::device::cuda, nb::c_contig>;
+using F32 = nb::ndarray<float, nb::device::cuda, nb::c_contig>;
+using I32 = nb::ndarray<int32_t, nb::device::cuda, nb::c_contig>;
+
+int64_t numel(const Any& a) { return static_cast<int64_t>(a.size()); }
+
+__nv_bfloat16* bf16_ptr(const Any& a, const char* name) {
+  DFLASH_ARG_CHECK(a.dtype().code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) &&
+                       a.dtype().bits == 16 && a.dtype().lanes == 1,
+                   name, " must be a bfloat16 tensor");
+  return static_cast<__nv_bfloat16*>(a.data());
+}
+
+__nv_bfloat16* bf16_ptr(const std::optional<Any>& a, const char* name) {
+  return a ? bf16_ptr(*a, name) : nullptr;
+}
+
+void use_device(int device_id) {
+  const cudaError_t e = cudaSetDevice(device_id);
+  DFLASH_CHECK(e == cudaSuccess, "cudaSetDevice(", device_id, "): ", cudaGetErrorString(e));
+}
+
+// Checks a launcher's status, then waits for the kernel and checks its completion.
+void finish(const char* op, cudaError_t launched) {
+  DFLASH_CHECK(launched == cudaSuccess, op, ": launch failed: ", cudaGetErrorString(launched));
+  const cudaError_t done = cudaDeviceSynchronize();
+  DFLASH_CHECK(done == cudaSuccess, op, ": kernel failed: ", cudaGetErrorString(done));
+}
+
+// The SampleParams of R rows on the device, freed with the object.
+class DeviceParams {
+ public:
+  DeviceParams(const std::vector<float>& temperature, const std::vector<int32_t>& top_k,
+               const std::vector<float>& top_p, const std::vector<uint64_t>& seed,
+               const std::vector<int64_t>& position, size_t rows) {
+    DFLASH_ARG_CHECK(temperature.size() == rows && top_k.size() == rows && top_p.size() == rows &&
+                         seed.size() == rows && position.size() == rows,
+                     "temperature, top_k, top_p, seed and position need one entry per row (", rows,
+                     ")");
+    std::vector<cuda::SampleParams> host(rows);
+    for (size_t r = 0; r < rows; ++r) {
+      host[r].temperature = temperature[r];
+      host[r].top_k = top_k[r];
+      host[r].top_p = top_p[r];
+      host[r].seed_lo = static_cast<uint32_t>(seed[r]);
+      host[r].seed_hi = static_cast<uint32_t>(seed[r] >> 32);
+      host[r].position = position[r];
+    }
+    if (rows == 0) return;
+    cudaError_t e = cudaMalloc(&ptr_, rows * sizeof(cuda::SampleParams));
+    DFLASH_CHECK(e == cudaSuccess, "cudaMalloc: ", cudaGetErrorString(e));
+    e = cudaMemcpy(ptr_, host.data(), rows * sizeof(cuda::SampleParams), cudaMemcpyHostToDevice);
+    if (e != cudaSuccess) cudaFree(ptr_);
+    DFLASH_CHECK(e == cudaSuccess, "cudaMemcpy: ", cudaGetErrorString(e));
+  }
+  ~DeviceParams() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  DeviceParams(const DeviceParams&) = delete;
+  DeviceParams& operator=(const DeviceParams&) = delete;
+  const cuda::SampleParams* get() const { return ptr_; }
+
+ private:
+  cuda::SampleParams* ptr_ = nullptr;
+};
+
+void cuda_embedding(const Any& table, const I32& ids, const Any& out, const I32& bad_id) {
+  DFLASH_ARG_CHECK(table.ndim() == 2 && out.ndim() == 2 && out.shape(0) == ids.size() &&
+                       out.shape(1) == table.shape(1) && bad_id.size() >= 1,
+                   "embedding: table [V, H], ids [T], out [T, H], bad_id [1]");
+  use_device(table.device_id());
+  finish("embedding", cuda::embedding(bf16_ptr(table, "table"), ids.data(), ids.size(),
+                                      table.shape(1), table.shape(0), bf16_ptr(out, "out"),
+                                      bad_id.data(), nullptr));
+}
+
+void cuda_rms_norm(const Any& x, const Any& w, float eps, const Any& out) {
+  const int64_t h = numel(w);
+  DFLASH_ARG_CHECK(h > 0 && numel(x) % h == 0 && numel(out) == numel(x),
+                   "rms_norm: x [R, H], w [H], out [R, H]");
+  use_device(x.device_id());
+  finish("rms_norm", cuda::rms_norm(bf16_ptr(x, "x"), bf16_ptr(w, "w"), numel(x) / h, h, eps,
+                                    bf16_ptr(out, "out"), nullptr));
+}
+
+void cuda_add_rms_norm(const Any& residual, const Any& x, const Any& w, float eps,
+                       const Any& out) {
+  const int64_t h = numel(w);
+  DFLASH_ARG_CHECK(h > 0 && numel(x) % h == 0 && numel(residual) == numel(x) &&
+                       numel(out) == numel(x),
+                   "add_rms_norm: residual [R, H], x [R, H], w [H], out [R, H]");
+  use_device(x.device_id());
+  finish("add_rms_norm",
+         cuda::add_rms_norm(bf16_ptr(residual, "residual"), bf16_ptr(x, "x"), bf16_ptr(w, "w"),
+                            numel(x) / h, h, eps, bf16_ptr(out, "out"), nullptr));
+}
+
+void cuda_silu_mul(const Any& gate_up, const Any& out) {
+  DFLASH_ARG_CHECK(out.ndim() == 2 && gate_up.ndim() == 2 && gate_up.shape(0) == out.shape(0) &&
+                       gate_up.shape(1) == 2 * out.shape(1),
+                   "silu_mul: gate_up [R, 2I], out [R, I]");
+  use_device(out.device_id());
+  finish("silu_mul", cuda::silu_mul(bf16_ptr(gate_up, "gate_up"), out.shape(0), out.shape(1),
+                                    bf16_ptr(out, "out"), nullptr));
+}
+
+void cuda_add(const Any& a, const Any& b, const Any& out) {
+  DFLASH_ARG_CHECK(numel(a) == numel(b) && numel(a) == numel(out), "add: a, b, out of one size");
+  use_device(out.device_id());
+  finish("add", cuda::add(bf16_ptr(a, "a"), bf16_ptr(b, "b"), numel(a), bf16_ptr(out, "out"),
+                          nullptr));
+}
+
+void cuda_bf16_to_f32(const Any& x, const F32& out) {
+  DFLASH_ARG_CHECK(numel(x) == static_cast<int64_t>(out.size()), "bf16_to_f32: x, out of one size");
+  use_device(x.device_id());
+  finish("bf16_to_f32", cuda::bf16_to_f32(bf16_ptr(x, "x"), numel(x), out.data(), nullptr));
+}
+
+void cuda_f32_to_bf16(const F32& x, const Any& out) {
+  DFLASH_ARG_CHECK(numel(out) == static_cast<int64_t>(x.size()), "f32_to_bf16: x, out of one size");
+  use_device(out.device_id());
+  finish("f32_to_bf16", cuda::f32_to_bf16(x.data(), x.size(), bf16_ptr(out, "out"), nullptr));
+}
+
+void cuda_qkv_norm_rope(const Any& qkv, const std::optional<Any>& q_norm,
+                        const std::optional<Any>& k_norm, float eps, const I32& positions,
+                        const F32& inv_freq, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, const std::optional<Any>& q, const Any& k, const Any& v) {
+  const int64_t t = static_cast<int64_t>(positions.size());
+  DFLASH_ARG_CHECK(numel(qkv) == t * (num_heads + 2 * num_kv_heads) * head_dim &&
+                       static_cast<int64_t>(inv_freq.size()) * 2 == head_dim &&
+                       numel(k) == t * num_kv_heads * head_dim && numel(v) == numel(k) &&
+                       (num_heads == 0 || (q && numel(*q) == t * num_heads * head_dim)),
+                   "qkv_norm_rope: qkv [T, (nh + 2 nkv) hd], positions [T], inv_freq [hd/2], "
+                   "q [T, nh, hd], k, v [T, nkv, hd]");
+  use_device(qkv.device_id());
+  finish("qkv_norm_rope",
+         cuda::qkv_norm_rope(bf16_ptr(qkv, "qkv"), bf16_ptr(q_norm, "q_norm"),
+                             bf16_ptr(k_norm, "k_norm"), eps, positions.data(), inv_freq.data(), t,
+                             num_heads, num_kv_heads, head_dim, bf16_ptr(q, "q"), bf16_ptr(k, "k"),
+                             bf16_ptr(v, "v"), nullptr));
+}
+
+void cuda_kv_write(const Any& k, const Any& v, const I32& slots, const Any& k_pool,
+                   const Any& v_pool) {
+  const int64_t t = static_cast<int64_t>(slots.size());
+  DFLASH_ARG_CHECK(t > 0 && numel(k) % t == 0 && numel(v) == numel(k) &&
+                       numel(k_pool) == numel(v_pool) && numel(k_pool) % (numel(k) / t) == 0,
+                   "kv_write: k, v [T, row], slots [T], pools [S, row]");
+  use_device(k.device_id());
+  finish("kv_write", cuda::kv_write(bf16_ptr(k, "k"), bf16_ptr(v, "v"), slots.data(), t,
+                                    numel(k) / t, bf16_ptr(k_pool, "k_pool"),
+                                    bf16_ptr(v_pool, "v_pool"), nullptr));
+}
+
+void cuda_kv_norm_rope_write(const Any& kv, const std::optional<Any>& k_norm, float eps,
+                             const I32& positions, const F32& inv_freq, const I32& slots,
+                             int64_t num_kv_heads, int64_t head_dim, const Any& k_pool,
+                             const Any& v_pool) {
+  const int64_t t = static_cast<int64_t>(positions.size());
+  DFLASH_ARG_CHECK(numel(kv) == t * 2 * num_kv_heads * head_dim &&
+                       static_cast<int64_t>(slots.size()) == t &&
+                       static_cast<int64_t>(inv_freq.size()) * 2 == head_dim &&
+                       numel(k_pool) == numel(v_pool) && numel(k_pool) % (num_kv_heads * head_dim) == 0,
+                   "kv_norm_rope_write: kv [C, 2 nkv hd], positions, slots [C], inv_freq [hd/2], "
+                   "pools [S, nkv hd]");
+  use_device(kv.device_id());
+  finish("kv_norm_rope_write",
+         cuda::kv_norm_rope_write(bf16_ptr(kv, "kv"), bf16_ptr(k_norm, "k_norm"), eps,
+                                  positions.data(), inv_freq.data(), slots.data(), t, num_kv_heads,
+                                  head_dim, bf16_ptr(k_pool, "k_pool"), bf16_ptr(v_pool, "v_pool"),
+                                  nullptr));
+}
+
+void cuda_gather_rows(const Any& x, const I32& rows, const Any& out) {
+  const int64_t elem_bytes = x.dtype().bits / 8;
+  DFLASH_ARG_CHECK(x.ndim() == 2 && out.ndim() == 2 && out.shape(0) == rows.size() &&
+                       out.shape(1) == x.shape(1) && x.dtype() == out.dtype() &&
+                       (elem_bytes == 2 || elem_bytes == 4),
+                   "gather_rows: x [N, W], rows [R], out [R, W] of one 2- or 4-byte dtype");
+  use_device(x.device_id());
+  finish("gather_rows", cuda::gather_rows(x.data(), rows.data(), rows.size(), x.shape(1),
+                                          elem_bytes, out.data(), nullptr));
+}
+
+void cuda_copy_columns(const Any& src, const Any& dst, int64_t col) {
+  DFLASH_ARG_CHECK(src.ndim() == 2 && dst.ndim() == 2 && src.shape(0) == dst.shape(0) &&
+                       col >= 0 && col + static_cast<int64_t>(src.shape(1)) <= static_cast<int64_t>(dst.shape(1)),
+                   "copy_columns: src [R, C], dst [R, W], col + C <= W");
+  use_device(src.device_id());
+  finish("copy_columns", cuda::copy_columns(bf16_ptr(src, "src"), src.shape(0), src.shape(1),
+                                            bf16_ptr(dst, "dst"), dst.shape(1), col, nullptr));
+}
+
+void cuda_sample(const F32& logits, const std::vector<float>& temperature,
+                 const std::vector<int32_t>& top_k, const std::vector<float>& top_p,
+                 const std::vector<uint64_t>& seed, const std::vector<int64_t>& position,
+                 const I32& tokens) {
+  DFLASH_ARG_CHECK(logits.ndim() == 2 && tokens.size() == logits.shape(0),
+                   "sample: logits [R, V], tokens [R]");
+  use_device(logits.device_id());
+  DeviceParams params(temperature, top_k, top_p, seed, position, logits.shape(0));
+  finish("sample", cuda::sample(logits.data(), logits.shape(0), logits.shape(1), params.get(),
+                                tokens.data(), nullptr));
+}
+
+void cuda_accept_drafts(const I32& drafts, const F32& logits, const std::vector<float>& temperature,
+                        const std::vector<int32_t>& top_k, const std::vector<float>& top_p,
+                        const std::vector<uint64_t>& seed, const std::vector<int64_t>& position,
+                        const I32& num_accepted, const I32& next_token) {
+  DFLASH_ARG_CHECK(drafts.ndim() == 2 && logits.ndim() == 3 && logits.shape(0) == drafts.shape(0) &&
+                       logits.shape(1) == drafts.shape(1) + 1 &&
+                       num_accepted.size() == drafts.shape(0) && next_token.size() == drafts.shape(0),
+                   "accept_drafts: drafts [R, n], logits [R, n + 1, V], num_accepted, next_token [R]");
+  use_device(logits.device_id());
+  DeviceParams params(temperature, top_k, top_p, seed, position, drafts.shape(0));
+  finish("accept_drafts",
+         cuda::accept_drafts(drafts.data(), logits.data(), drafts.shape(0), drafts.shape(1),
+                             logits.shape(2), params.get(), num_accepted.data(), next_token.data(),
+                             nullptr));
+}
+
+}  // namespace
+}  // namespace dflash
+
+void bind_cuda_testing(nb::module_& m) {
+  using namespace dflash;
+  m.def("cuda_embedding", &cuda_embedding, "table"_a, "ids"_a, "out"_a, "bad_id"_a);
+  m.def("cuda_rms_norm", &cuda_rms_norm, "x"_a, "w"_a, "eps"_a, "out"_a);
+  m.def("cuda_add_rms_norm", &cuda_add_rms_norm, "residual"_a, "x"_a, "w"_a, "eps"_a, "out"_a);
+  m.def("cuda_silu_mul", &cuda_silu_mul, "gate_up"_a, "out"_a);
+  m.def("cuda_add", &cuda_add, "a"_a, "b"_a, "out"_a);
+  m.def("cuda_bf16_to_f32", &cuda_bf16_to_f32, "x"_a, "out"_a);
+  m.def("cuda_f32_to_bf16", &cuda_f32_to_bf16, "x"_a, "out"_a);
+  m.def("cuda_qkv_norm_rope", &cuda_qkv_norm_rope, "qkv"_a, "q_norm"_a.none(), "k_norm"_a.none(),
+        "eps"_a, "positions"_a, "inv_freq"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a,
+        "q"_a.none(), "k"_a, "v"_a);
+  m.def("cuda_kv_write", &cuda_kv_write, "k"_a, "v"_a, "slots"_a, "k_pool"_a, "v_pool"_a);
+  m.def("cuda_kv_norm_rope_write", &cuda_kv_norm_rope_write, "kv"_a, "k_norm"_a.none(), "eps"_a,
+        "positions"_a, "inv_freq"_a, "slots"_a, "num_kv_heads"_a, "head_dim"_a, "k_pool"_a,
+        "v_pool"_a);
+  m.def("cuda_gather_rows", &cuda_gather_rows, "x"_a, "rows"_a, "out"_a);
+  m.def("cuda_copy_columns", &cuda_copy_columns, "src"_a, "dst"_a, "col"_a);
+  m.def("cuda_sample", &cuda_sample, "logits"_a, "temperature"_a, "top_k"_a, "top_p"_a, "seed"_a,
+        "position"_a, "tokens"_a);
+  m.def("cuda_accept_drafts", &cuda_accept_drafts, "drafts"_a, "logits"_a, "temperature"_a,
+        "top_k"_a, "top_p"_a, "seed"_a, "position"_a, "num_accepted"_a, "next_token"_a);
+}

@@ -1,0 +1,273 @@
+# tests/gpu/test_triton_attention.py
+#
+# The AOT Triton paged attention (triton_kernels/paged_attention.py through
+# dflash._core.testing.triton_paged_attention) against a torch reference: fp32 math on the same
+# bf16 inputs. Covers decode (1 query), verify / draft blocks (16 queries), full and chunked
+# prefill; causal, non-causal (the drafter's block) and sliding window; GQA 32/8, 4/4 and 9/3
+# (SmolLM2); head_dim 64 and 128; batches of 1, 3 and 17 ragged sequences; scattered block
+# tables; the split-KV path on long contexts. Unused pool slots and unused block-table entries
+# point at NaN, so a read outside a sequence's keys shows up as NaN in the output.
+#
+# Tolerance: |out - ref| <= 2e-2 + 2e-2 |ref| element-wise, and a relative RMS error below 1e-2
+# (bf16 output rounding alone is ~2e-3 relative; the RMS check catches masking mistakes on long
+# contexts, whose outputs are small).
+#
+# Skips cleanly (module-level skipif, nothing imported that fails) without torch, a CUDA device,
+# a CUDA build of dflash, or a Hopper (sm_90) GPU.
+from __future__ import annotations
+
+import math
+
+import pytest
+
+
+def _skip_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import dflash
+    except Exception as exc:  # the extension may not be built on this machine
+        return f"dflash is not importable ({type(exc).__name__}: {exc})"
+    if not dflash.built_with_cuda():
+        return "dflash was built without CUDA"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "the AOT Triton kernels are compiled for sm_90a (Hopper)"
+    return None
+
+
+_SKIP_REASON = _skip_reason()
+pytestmark = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+
+ATOL = 2e-2
+RTOL = 2e-2
+MAX_REL_RMS = 1e-2
+
+# (num_heads, num_kv_heads, head_dim)
+HEADS = [(32, 8, 128), (32, 8, 64), (4, 4, 64), (4, 4, 128), (9, 3, 64)]
+BATCH_KV = {
+    1: [1000],
+    3: [1, 129, 1000],
+    17: [1, 7, 129, 1000, 16, 17, 64, 65, 200, 333, 512, 513, 999, 2, 31, 48, 700],
+}
+MODES = {"causal": (True, 0), "noncausal": (False, 0), "window": (True, 64)}
+
+
+def _testing():
+    from dflash._core import testing
+
+    return testing
+
+
+def num_queries(kind: str, kv_len: int) -> int:
+    return {"decode": 1, "verify": min(16, kv_len), "chunked": min(100, kv_len),
+            "prefill": kv_len}[kind]
+
+
+class Batch:
+    """A ragged batch over a scattered paged cache; keeps each sequence's K/V for the reference."""
+
+    def __init__(self, kv_lens, q_lens, nh, nkv, hd, block_size=16, seed=0):
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        self.nh, self.nkv, self.hd, self.block_size = nh, nkv, hd, block_size
+        self.kv_lens, self.q_lens = list(kv_lens), list(q_lens)
+        blocks = [-(-n // block_size) for n in kv_lens]
+        num_blocks = sum(blocks) + 4  # block 0 and the spares stay NaN
+        order = (1 + torch.randperm(num_blocks - 1, generator=gen)).tolist()
+        self.max_blocks = max(blocks) + 2  # trailing columns point at the NaN block 0
+        table = torch.zeros(len(kv_lens), self.max_blocks, dtype=torch.int32)
+        nan = float("nan")
+        k_pool = torch.full((num_blocks * block_size, nkv, hd), nan, dtype=torch.bfloat16)
+        v_pool = torch.full_like(k_pool, nan)
+        self.ks, self.vs = [], []
+        used = 0
+        for s, n in enumerate(kv_lens):
+            table[s, :blocks[s]] = torch.tensor(order[used:used + blocks[s]], dtype=torch.int32)
+            used += blocks[s]
+            j = torch.arange(n)
+            slots = table[s, j // block_size].long() * block_size + j % block_size
+            k = torch.randn(n, nkv, hd, generator=gen).bfloat16()
+            v = torch.randn(n, nkv, hd, generator=gen).bfloat16()
+            k_pool[slots], v_pool[slots] = k, v
+            self.ks.append(k)
+            self.vs.append(v)
+        self.q = torch.randn(sum(q_lens), nh, hd, generator=gen).bfloat16()
+        starts = [0]
+        for nq in q_lens:
+            starts.append(starts[-1] + nq)
+        self.starts = starts
+        dev = "cuda"
+        self.k_pool = k_pool.view(num_blocks, block_size, nkv, hd).to(dev)
+        self.v_pool = v_pool.view(num_blocks, block_size, nkv, hd).to(dev)
+        self.table = table.to(dev)
+        self.q_dev = self.q.to(dev)
+        self.query_start = torch.tensor(starts, dtype=torch.int32, device=dev)
+        self.kv_len = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
+
+    def run(self, causal, window, *, workspace=None, force_variant=0, force_splits=0,
+            max_query_len=None):
+        import torch
+
+        out = torch.full_like(self.q_dev, float("nan"))
+        plan = _testing().triton_paged_attention(
+            self.q_dev, self.k_pool, self.v_pool, out, self.query_start, self.kv_len, self.table,
+            causal, window,
+            max(self.q_lens) if max_query_len is None else max_query_len, max(self.kv_lens),
+            workspace=workspace, force_variant=force_variant, force_splits=force_splits,
+            stream=torch.cuda.current_stream().cuda_stream)
+        return out.float().cpu(), plan
+
+    def reference(self, causal, window):
+        import torch
+
+        group = self.nh // self.nkv
+        out = torch.zeros(self.q.shape, dtype=torch.float32)
+        for s, (n, nq) in enumerate(zip(self.kv_lens, self.q_lens)):
+            if nq == 0:
+                continue
+            q = self.q[self.starts[s]:self.starts[s + 1]].float().cuda()
+            k = self.ks[s].float().cuda().repeat_interleave(group, dim=1)
+            v = self.vs[s].float().cuda().repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(self.hd)
+            q_pos = torch.arange(n - nq, n, device="cuda")[:, None]
+            j = torch.arange(n, device="cuda")[None, :]
+            visible = torch.ones(nq, n, dtype=torch.bool, device="cuda")
+            if causal or window > 0:
+                visible &= j <= q_pos
+            if window > 0:
+                visible &= j > q_pos - window
+            scores = scores.masked_fill(~visible, float("-inf"))
+            out[self.starts[s]:self.starts[s + 1]] = torch.einsum(
+                "hqk,khd->qhd", scores.softmax(-1), v).cpu()
+        return out
+
+    def workspace(self, splits):
+        import torch
+
+        nbytes = _testing().triton_paged_attention_workspace_bytes(
+            self.q.shape[0], self.nh, self.hd, splits)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+
+def assert_matches(out, ref, what):
+    import torch
+
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output (unwritten row or bad read)"
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
+    rel = ((out - ref).norm() / ref.norm().clamp_min(1e-6)).item()
+    assert rel < MAX_REL_RMS, f"{what}: relative RMS error {rel:.3g}"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["decode", "verify", "chunked", "prefill"])
+@pytest.mark.parametrize("batch", list(BATCH_KV))
+@pytest.mark.parametrize("nh,nkv,hd", HEADS)
+def test_matches_reference(nh, nkv, hd, batch, kind, mode):
+    causal, window = MODES[mode]
+    kv_lens = BATCH_KV[batch]
+    q_lens = [num_queries(kind, n) for n in kv_lens]
+    b = Batch(kv_lens, q_lens, nh, nkv, hd, seed=batch * 1000 + nh + hd)
+    ref = b.reference(causal, window)
+
+    out, (variant, splits, block_m) = b.run(causal, window)
+    decode_fits = max(q_lens) * (nh // nkv) <= 64
+    assert variant == ("decode" if decode_fits else "prefill")
+    assert splits == 1  # no workspace given
+    assert_matches(out, ref, f"auto ({variant}, block_m {block_m})")
+
+    if decode_fits:  # the other variants on the same batch
+        out, plan = b.run(causal, window, force_variant=1)
+        assert plan[0] == "prefill"
+        assert_matches(out, ref, "forced prefill")
+        out, plan = b.run(causal, window, workspace=b.workspace(3), force_variant=2,
+                          force_splits=3)
+        assert plan[:2] == ("decode", 3)
+        assert_matches(out, ref, "decode split 3")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (9, 3, 64)])
+def test_long_context_split_kv(nh, nkv, hd, batch, kind, mode):
+    causal, window = MODES[mode]
+    kv_lens = [8192, 5000][:batch]
+    q_lens = [num_queries(kind, n) for n in kv_lens]
+    b = Batch(kv_lens, q_lens, nh, nkv, hd, seed=7 + batch)
+    ref = b.reference(causal, window)
+    max_splits = _testing().triton_paged_attention_max_splits()
+    out, (variant, splits, _) = b.run(causal, window, workspace=b.workspace(max_splits))
+    assert variant == "decode"
+    if mode != "window":  # a 64-key window leaves too little to split
+        assert splits > 1, "a long context at batch <= 2 should use split-KV"
+    assert_matches(out, ref, f"split-KV ({splits} splits)")
+    out, (_, splits, _) = b.run(causal, window)  # no workspace: no split
+    assert splits == 1
+    assert_matches(out, ref, "no split")
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 64])
+def test_other_block_sizes(block_size):
+    kv_lens = [1, 40, 300, 129]
+    for kind in ("decode", "verify", "prefill"):
+        q_lens = [num_queries(kind, n) for n in kv_lens]
+        b = Batch(kv_lens, q_lens, 32, 8, 128, block_size=block_size, seed=block_size)
+        for mode, (causal, window) in MODES.items():
+            out, _ = b.run(causal, window)
+            assert_matches(out, b.reference(causal, window), f"{kind} {mode} bs={block_size}")
+
+
+def test_sequences_without_queries():
+    # Sequences that only hold context (0 queries) sit between ones that query.
+    kv_lens = [50, 300, 7, 1000, 64]
+    for q_lens in ([1, 0, 1, 0, 1], [16, 0, 7, 0, 0], [50, 0, 0, 200, 64]):
+        b = Batch(kv_lens, q_lens, 32, 8, 64, seed=sum(q_lens))
+        for causal, window in MODES.values():
+            for force_variant in (0, 1):
+                out, _ = b.run(causal, window, force_variant=force_variant)
+                assert_matches(out, b.reference(causal, window), f"q_lens {q_lens}")
+
+
+def test_rejects_unsupported_arguments():
+    import torch
+
+    testing = _testing()
+    b = Batch([40, 20], [16, 1], 32, 8, 128)
+    out = torch.empty_like(b.q_dev)
+    args = (b.q_dev, b.k_pool, b.v_pool, out, b.query_start, b.kv_len, b.table, True, 0, 16, 40)
+    with pytest.raises(ValueError, match="decode variant"):
+        testing.triton_paged_attention(*args[:9], 17, 40, force_variant=2)  # 17 * 4 rows > 64
+    with pytest.raises(ValueError, match="workspace"):
+        testing.triton_paged_attention(*args, force_variant=2, force_splits=2)
+    with pytest.raises(ValueError, match="split-KV"):
+        testing.triton_paged_attention(*args, workspace=b.workspace(2), force_variant=1,
+                                       force_splits=2)
+    with pytest.raises(ValueError, match="window"):
+        testing.triton_paged_attention(*args[:8], -1, 16, 40)
+    with pytest.raises(ValueError, match="bfloat16"):
+        testing.triton_paged_attention(b.q_dev.float(), *args[1:])
+    q96 = torch.zeros(b.q_dev.shape[0], 32, 96, dtype=torch.bfloat16, device="cuda")
+    pool96 = torch.zeros(*b.k_pool.shape[:3], 96, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="head_dim"):
+        testing.triton_paged_attention(q96, pool96, pool96, torch.empty_like(q96), *args[4:])
+    pool5 = torch.zeros(*b.k_pool.shape[:2], 5, 128, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        testing.triton_paged_attention(b.q_dev, pool5, pool5, *args[3:])
+
+
+def test_empty_batch_is_a_no_op():
+    import torch
+
+    testing = _testing()
+    q = torch.empty(0, 8, 64, dtype=torch.bfloat16, device="cuda")
+    pool = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    i32 = dict(dtype=torch.int32, device="cuda")
+    plan = testing.triton_paged_attention(
+        q, pool, pool, torch.empty_like(q), torch.zeros(1, **i32), torch.zeros(0, **i32),
+        torch.zeros(0, 1, **i32), True, 0, 0, 0)
+    assert plan[0] == "none"

@@ -1,0 +1,283 @@
+"""Paged attention over a bf16 paged KV cache, compiled ahead of time (see aot.py).
+
+Layout (one layer):
+  q        [T, num_heads, HEAD_DIM] bf16, the ragged batch: sequence s owns query rows
+           [query_start[s], query_start[s+1]) and has kv_len[s] keys; its queries sit at the LAST
+           positions, q_pos = kv_len - num_q + i.
+  k_pool   [num_blocks, block_size, num_kv_heads, HEAD_DIM] bf16 (v_pool the same); key j of
+           sequence s lives in block block_table[s, j // block_size] at offset j % block_size.
+  out      [T, num_heads, HEAD_DIM] bf16.
+Masks: causal (key j visible iff j <= q_pos), non-causal (all kv_len keys: the DFlash drafter's
+block), sliding window (window > 0; the caller also sets causal: q_pos - window < j <= q_pos).
+
+GQA: the group = num_heads / num_kv_heads query heads of one KV head are processed together.
+A tile has BLOCK_M rows; row m is (query i = m // group, head kv_head * group + m % group), so
+every K/V tile is loaded once for the whole group, and a group that is not a power of two
+(SmolLM2's 9/3) wastes at most group - 1 rows of a tile.
+
+Kernels:
+  paged_attention_prefill_kernel      any number of queries per sequence. Grid
+      (num_tokens // q_per_tile + num_seqs, num_kv_heads), q_per_tile = BLOCK_M // group.
+      Query tiles are laid out without a host-side tile list: sequence s owns the tile indices
+      [query_start[s] // q_per_tile + s, ... + cdiv(num_q, q_per_tile)), and a program finds its
+      sequence by binary search over query_start (the bound T // q_per_tile + num_seqs covers every
+      sequence's tiles; indices in the gaps exit at once). A sequence's tiles run last query
+      tile first, so the causal tiles with the most keys start first.
+  paged_attention_decode_kernel       few queries per sequence (num_q * group <= BLOCK_M). Grid
+      (num_seqs, num_kv_heads, num_splits). With num_splits == 1 it writes out; with more, split
+      p covers the p-th BLOCK_N-aligned chunk of the sequence's key range and writes its partial
+      (row max m, row sum l, unnormalised acc) in fp32 to the workspace for
+  paged_attention_split_reduce_kernel grid (T, num_heads): out = sum_p 2^(m_p - M) acc_p /
+      sum_p 2^(m_p - M) l_p.
+
+Workspace (fp32) of a split launch: acc [num_splits, T, num_heads, HEAD_DIM], then
+ml [num_splits, T, num_heads, 2] (m in log2 units of the scaled scores, l).
+
+Inside a kernel the key range of a tile is cut in three: keys that some row of the tile masks
+(the first window tile, the causal diagonal, the ragged end) run through the masked loop, the rest
+through a loop without masks. Softmax is online in fp32 with exp2 and the scale folded into
+log2(e); rows that see no key (only possible for inconsistent metadata) write zeros.
+
+Only `triton` and `triton.language` are imported: aot.py executes this file at build time.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, start, end, kv_len, q_pos, causal,
+                  window, block_size, slot_stride, qk_scale, MASKED: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax of q against keys [start, end) (start BLOCK_N-aligned).
+
+    k_ptr/v_ptr point at the tile's KV head in block 0, table_ptr at the sequence's row of the
+    block table. Without MASKED every key of [start, end) must be visible to every row and
+    end - start a multiple of BLOCK_N.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for n0 in range(start, end, BLOCK_N):
+        j = n0 + offs_n
+        if MASKED:
+            in_range = j < kv_len
+            blk = tl.load(table_ptr + j // block_size, mask=in_range, other=0)
+        else:
+            blk = tl.load(table_ptr + j // block_size)
+        slot = blk.to(tl.int64) * block_size + (j % block_size)
+        kv_off = slot[:, None] * slot_stride + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_ptr + kv_off, mask=in_range[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + kv_off)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            visible = in_range[None, :] & ((j[None, :] <= q_pos[:, None]) | (causal == 0))
+            visible = visible & ((j[None, :] > q_pos[:, None] - window) | (window <= 0))
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptr + kv_off, mask=in_range[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptr + kv_off)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, c0, c1, full_lo, full_hi, kv_len,
+                 q_pos, causal, window, block_size, slot_stride, qk_scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [c0, c1): masked below full_lo, unmasked in [full_lo, full_hi), masked above.
+
+    c0, full_lo and full_hi are BLOCK_N-aligned with full_lo <= full_hi; every key in
+    [full_lo, full_hi) is visible to every row.
+    """
+    a = tl.maximum(c0, tl.minimum(full_lo, c1))
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, c0, a, kv_len,
+                                  q_pos, causal, window, block_size, slot_stride, qk_scale,
+                                  True, HEAD_DIM, BLOCK_N)
+    b = tl.minimum(full_hi, c1)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, a, b, kv_len,
+                                  q_pos, causal, window, block_size, slot_stride, qk_scale,
+                                  False, HEAD_DIM, BLOCK_N)
+    b = tl.maximum(b, a)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, b, c1, kv_len,
+                                  q_pos, causal, window, block_size, slot_stride, qk_scale,
+                                  True, HEAD_DIM, BLOCK_N)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _key_ranges(kv_len, qp_first, qp_last, causal, window, BLOCK_N: tl.constexpr):
+    """Key range [lo, hi) that rows at positions [qp_first, qp_last] need (lo BLOCK_N-aligned),
+    and the aligned range [full_lo, full_hi) that all of them see (full_lo <= full_hi)."""
+    hi = tl.where(causal != 0, tl.minimum(kv_len, qp_last + 1), kv_len)
+    hi = tl.maximum(hi, 0)
+    first = tl.where(window > 0, tl.maximum(qp_first - window + 1, 0), 0)
+    lo = tl.minimum(first // BLOCK_N * BLOCK_N, hi)
+    all_hi = tl.where(causal != 0, tl.minimum(kv_len, qp_first + 1), kv_len)
+    full_hi = tl.maximum(all_hi, 0) // BLOCK_N * BLOCK_N
+    all_lo = tl.where(window > 0, tl.maximum(qp_last - window + 1, 0), 0)
+    full_lo = (all_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    full_lo = tl.maximum(full_lo, lo)
+    full_hi = tl.maximum(full_hi, full_lo)
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
+def paged_attention_prefill_kernel(
+        q_ptr, k_pool_ptr, v_pool_ptr, out_ptr,  # bf16
+        query_start_ptr, kv_len_ptr, block_table_ptr,  # int32
+        scale,  # fp32
+        num_seqs, num_heads, num_kv_heads, block_size, max_blocks_per_seq, causal, window,  # i32
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    group = num_heads // num_kv_heads
+    q_per_tile = BLOCK_M // group
+
+    # The sequence owning this tile: the last s with query_start[s] // q_per_tile + s <= tile.
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_ptr + mid) // q_per_tile + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_begin = tl.load(query_start_ptr + seq)
+    num_q = tl.load(query_start_ptr + seq + 1) - q_begin
+    local = tile - (q_begin // q_per_tile + seq)
+    num_tiles = tl.cdiv(num_q, q_per_tile)
+    if local >= num_tiles:
+        return
+    q0 = (num_tiles - 1 - local) * q_per_tile  # last queries (most keys) first
+    kv_len = tl.load(kv_len_ptr + seq)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    qi = q0 + offs_m // group
+    row_ok = (offs_m < q_per_tile * group) & (qi < num_q)
+    q_pos = kv_len - num_q + qi
+    row_off = (q_begin + qi).to(tl.int64) * (num_heads * HEAD_DIM) + \
+        (kv_head * group + offs_m % group) * HEAD_DIM
+    q = tl.load(q_ptr + row_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    qp_first = kv_len - num_q + q0
+    qp_last = kv_len - num_q + tl.minimum(q0 + q_per_tile, num_q) - 1
+    lo, hi, full_lo, full_hi = _key_ranges(kv_len, qp_first, qp_last, causal, window, BLOCK_N)
+
+    slot_stride = num_kv_heads * HEAD_DIM
+    k_ptr = k_pool_ptr + kv_head * HEAD_DIM
+    v_ptr = v_pool_ptr + kv_head * HEAD_DIM
+    table_ptr = block_table_ptr + seq.to(tl.int64) * max_blocks_per_seq
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    qk_scale = scale * LOG2E
+    acc, m_i, l_i = _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, lo, hi, full_lo,
+                                 full_hi, kv_len, q_pos, causal, window, block_size, slot_stride,
+                                 qk_scale, HEAD_DIM, BLOCK_N)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(out_ptr + row_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@triton.jit
+def paged_attention_decode_kernel(
+        q_ptr, k_pool_ptr, v_pool_ptr, out_ptr,  # bf16
+        workspace_ptr,  # fp32, used when num_splits > 1
+        query_start_ptr, kv_len_ptr, block_table_ptr,  # int32
+        scale,  # fp32
+        num_tokens, num_heads, num_kv_heads, block_size, max_blocks_per_seq, causal, window,  # i32
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    group = num_heads // num_kv_heads
+
+    q_begin = tl.load(query_start_ptr + seq)
+    num_q = tl.load(query_start_ptr + seq + 1) - q_begin
+    if num_q <= 0:
+        return
+    kv_len = tl.load(kv_len_ptr + seq)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    qi = offs_m // group
+    row_ok = qi < num_q
+    q_pos = kv_len - num_q + qi
+    head = kv_head * group + offs_m % group
+    tok = q_begin + qi
+    row_off = tok.to(tl.int64) * (num_heads * HEAD_DIM) + head * HEAD_DIM
+    q = tl.load(q_ptr + row_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    lo, hi, full_lo, full_hi = _key_ranges(kv_len, kv_len - num_q, kv_len - 1, causal, window,
+                                           BLOCK_N)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+    c0 = tl.minimum(lo + split * chunk, hi)
+    c1 = tl.minimum(c0 + chunk, hi)
+
+    slot_stride = num_kv_heads * HEAD_DIM
+    k_ptr = k_pool_ptr + kv_head * HEAD_DIM
+    v_ptr = v_pool_ptr + kv_head * HEAD_DIM
+    table_ptr = block_table_ptr + seq.to(tl.int64) * max_blocks_per_seq
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    qk_scale = scale * LOG2E
+    acc, m_i, l_i = _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, c0, c1, full_lo,
+                                 full_hi, kv_len, q_pos, causal, window, block_size, slot_stride,
+                                 qk_scale, HEAD_DIM, BLOCK_N)
+
+    if num_splits == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(out_ptr + row_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        part = (split * num_tokens + tok).to(tl.int64) * num_heads + head  # [BLOCK_M]
+        tl.store(workspace_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_ok[:, None])
+        ml_ptr = workspace_ptr + num_splits.to(tl.int64) * num_tokens * num_heads * HEAD_DIM
+        tl.store(ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def paged_attention_split_reduce_kernel(
+        workspace_ptr,  # fp32, written by paged_attention_decode_kernel
+        out_ptr,  # bf16 [T, num_heads, HEAD_DIM]
+        num_tokens, num_heads, num_splits,  # i32
+        HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, MAX_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < num_splits
+    part = (offs_s * num_tokens + tok).to(tl.int64) * num_heads + head  # [MAX_SPLITS]
+    ml_ptr = workspace_ptr + num_splits.to(tl.int64) * num_tokens * num_heads * HEAD_DIM
+    m = tl.load(ml_ptr + part * 2, mask=split_ok, other=float("-inf"))
+    l = tl.load(ml_ptr + part * 2 + 1, mask=split_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_ref)
+    denom = tl.sum(w * l, 0)
+    acc = tl.load(workspace_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=split_ok[:, None], other=0.0)
+    num = tl.sum(acc * w[:, None], 0)
+    out = num / tl.where(denom == 0.0, 1.0, denom)
+    out_off = (tok.to(tl.int64) * num_heads + head) * HEAD_DIM
+    tl.store(out_ptr + out_off + offs_d, out.to(out_ptr.dtype.element_ty))

@@ -1,0 +1,108 @@
+// Paged attention through the ahead-of-time compiled Triton kernels (paged_attention.py): the
+// stable API the CUDA backend calls. Modules loads every cubin once (at Session start);
+// paged_attention() picks the kernel variant, tile and split-KV count on the host from the
+// host-known bounds in PagedAttentionArgs and launches on the given stream. It never allocates,
+// synchronises or throws, so it can be captured into CUDA graphs (the launch shape depends only
+// on the host-side fields: keep them fixed for a captured graph).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace dflash {
+namespace triton_aot {
+
+enum class PagedAttentionVariant : int32_t {
+  kAuto = 0,     // choose (the default)
+  kPrefill = 1,  // any number of queries per sequence
+  kDecode = 2,   // max_query_len * (num_heads / num_kv_heads) <= 64, optionally split-KV
+};
+
+struct PagedAttentionArgs {
+  // bf16, 16-byte aligned. q, out: [num_tokens, num_heads, head_dim];
+  // pools of ONE layer: [num_blocks, block_size, num_kv_heads, head_dim].
+  const void* q = nullptr;
+  const void* k_pool = nullptr;
+  const void* v_pool = nullptr;
+  void* out = nullptr;
+  // Device int32. query_start [num_seqs + 1]: sequence s owns query rows
+  // [query_start[s], query_start[s+1]) whose queries sit at its last positions
+  // (kv_len[s] - num_q + i); kv_len [num_seqs]; block_table [num_seqs, max_blocks_per_seq].
+  const int32_t* query_start = nullptr;
+  const int32_t* kv_len = nullptr;
+  const int32_t* block_table = nullptr;
+  int32_t num_seqs = 0, num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  int32_t block_size = 0, max_blocks_per_seq = 0;
+  // Host-known upper bounds of the per-sequence query count and kv_len: they pick the variant,
+  // the grid and the split count. A sequence above them is a caller bug (decode: rows dropped).
+  int32_t max_query_len = 0, max_kv_len = 0;
+  // causal: key j visible iff j <= q_pos; else every query sees all kv_len keys (the drafter's
+  // block). window > 0: sliding window q_pos - window < j <= q_pos (implies causal).
+  bool causal = true;
+  int32_t window = 0;
+  float scale = 0.0f;  // softmax scale; 0 means 1 / sqrt(head_dim)
+  // Split-KV workspace (device, 16-byte aligned), at least paged_attention_workspace_bytes(...)
+  // for the splits wanted; null or too small: no split.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  // Testing and tuning: force a variant, or a split count (decode variant; 0 = choose).
+  PagedAttentionVariant force_variant = PagedAttentionVariant::kAuto;
+  int32_t force_splits = 0;
+};
+
+// What paged_attention() will launch for given arguments.
+struct PagedAttentionPlan {
+  PagedAttentionVariant variant = PagedAttentionVariant::kAuto;  // kPrefill or kDecode
+  int32_t block_m = 0;     // query rows (query x head of a group) per CTA
+  int32_t num_splits = 1;  // decode: KV splits per (sequence, kv head); > 1 adds a reduce launch
+  unsigned grid[3] = {0, 0, 0};  // of the attention kernel (all 0: nothing to do)
+};
+
+// The loaded cubins of every generated kernel, bound to the CUDA context that was current when
+// it was constructed (use it only on that context's device). Immutable after construction, so
+// concurrent paged_attention() calls are safe. Not copyable.
+class Modules {
+ public:
+  // Loads every image into the current context (initialising the runtime's current device if no
+  // context is current), forces the functions to load (no lazy loading inside a launch or a
+  // graph capture), checks each kernel's parameter ABI with cuFuncGetParamInfo against the
+  // generated sizes, and raises the dynamic shared-memory limit where a kernel needs > 48 KiB.
+  // Throws dflash::Error (wrong GPU architecture, no driver, ABI mismatch, ...).
+  Modules();
+  ~Modules();
+  Modules(const Modules&) = delete;
+  Modules& operator=(const Modules&) = delete;
+
+  CUfunction function(int kernel_id) const { return functions_[kernel_id]; }
+  int num_sms() const { return num_sms_; }
+
+ private:
+  std::vector<CUmodule> modules_;
+  std::vector<CUfunction> functions_;
+  int num_sms_ = 0;
+};
+
+// Largest split count paged_attention() uses (the reduce kernel's MAX_SPLITS).
+int32_t paged_attention_max_splits();
+
+// Workspace bytes for split-KV over at most max_tokens query rows with up to max_splits splits
+// (clamped to paged_attention_max_splits()).
+size_t paged_attention_workspace_bytes(int32_t max_tokens, int32_t num_heads, int32_t head_dim,
+                                       int32_t max_splits);
+
+// Chooses what paged_attention() launches. Returns nullptr on success, else a static string
+// saying which argument is unsupported (paged_attention then returns CUDA_ERROR_INVALID_VALUE).
+const char* paged_attention_plan(const Modules& m, const PagedAttentionArgs& a,
+                                 PagedAttentionPlan* plan);
+
+// out = softmax(q k^T * scale) v over each sequence's paged keys; picks variant and grid with
+// paged_attention_plan and launches on `stream` (one kernel, or two with split-KV). Returns
+// CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE for unsupported arguments, or the launch error.
+CUresult paged_attention(const Modules& m, cudaStream_t stream, const PagedAttentionArgs& a);
+
+}  // namespace triton_aot
+}  // namespace dflash
