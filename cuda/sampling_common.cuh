@@ -1,6 +1,7 @@
 // Per-row sampling machinery shared by sample (sampling.cu) and accept_drafts (accept.cu): one
 // block of kThreads threads works on one row of fp32 logits [V] in a few passes over it.
-//   1. max pass: the row's max logit (and the max over the tokens other than an excluded one).
+//   1. max pass: the row's max logit, and the first token of the CPU order other than an
+//      excluded one (the draft being judged).
 //   2. the kept set of top-k, then top-p on the top-k renormalised distribution, in the CPU's
 //      order (logit desc, id asc; cpu_sampling.cpp), found exactly and deterministically:
 //      a histogram of y = (max - logit) * scale (bin 0: y < 2^-10; bins 1..2048: 1/128 binade of
@@ -12,8 +13,8 @@
 //      on the logit's bits (11/11/10) and a scan by id through the tied logits.
 //   3. Gumbel-max over the kept set: score = z + g, z = (logit - max) / T,
 //      g = -log(-log(u)), u = philox_uniform(seed, position, token, kStreamTargetSample),
-//      ties to the lower id. Only tokens with z >= z_ref - kGumbelSpan can win (g is bounded for
-//      u < 1), so Philox runs on few tokens.
+//      ties to the lower id. Only tokens with z >= s_ref - kGumbelMax can win (s_ref: the score
+//      of the most likely kept token; g is bounded for u < 1), so Philox runs on few tokens.
 // Passes over the row: greedy 1; T > 0 without filters 2; top-k and/or top-p 3 in the common
 // case (the kept tokens fit in shared memory), 4 when only the cut's bin fits, more in the
 // fallback.
@@ -35,16 +36,22 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 2050;
 constexpr int kBinsPerThread = (kBins + kThreads - 1) / kThreads;
 constexpr int kListCap = 2048;  // tokens sorted in shared memory (a power of two)
-constexpr int kLoadUnroll = 4;  // float4 loads in flight per thread
-// -log(-log(u)) lies in [-2.86, 16.64] for u in [2^-25, 1 - 2^-24] (philox_uniform's values
-// below 1); a token with z < z_ref - kGumbelSpan scores below the reference token's minimum.
-constexpr float kGumbelSpan = 19.6f;
+constexpr int kLoadUnroll = 4;  // float4 loads in flight per thread (8 in the argmax pass)
+// -log(-log(u)) <= 16.64 for u <= 1 - 2^-24 (philox_uniform's values below 1): a token with
+// z < s - kGumbelMax scores below s.
+constexpr float kGumbelMax = 16.7f;
 constexpr float kMassScale = 1099511627776.0f;  // 2^40: fixed point of exp(z - z_max) <= 1
 constexpr int kNoToken = 0x7fffffff;
 
 struct SampleSmem {
-  unsigned long long mass[kBins];  // histogram weights (also the radix histograms)
-  unsigned int count[kBins];       // histogram token counts (top-p)
+  union {
+    unsigned long long mass[kBins];  // histogram weights (also the radix histograms)
+    struct {  // the same weights while a pass accumulates them: native 32-bit atomics, with
+      unsigned int lo[kBins];  // the carry of the low word added to the high word (64-bit
+      unsigned int hi[kBins];  // shared-memory atomics compile to compare-and-swap loops)
+    } part;
+  } w;
+  unsigned int count[kBins];  // histogram token counts (top-p)
   unsigned long long list[kListCap];  // sort keys (~key << 32 | id), ascending = CPU order
   unsigned long long red64[kWarps + 1];
   float redf[kWarps];
@@ -222,26 +229,58 @@ __device__ __forceinline__ void block_argmax(float* v, int* i, SampleSmem& s) {
   *i = bi;
 }
 
+// Adds w to bin b of the histogram being accumulated (exact: the thread whose addition wraps the
+// low word carries into the high word).
+__device__ __forceinline__ void add_weight(unsigned int* lo_words, unsigned int* hi_words, int b,
+                                           unsigned long long w) {
+  const unsigned int lo = static_cast<unsigned int>(w);
+  const unsigned int old = atomicAdd(&lo_words[b], lo);
+  const unsigned int hi = static_cast<unsigned int>(w >> 32) + (old + lo < old ? 1u : 0u);
+  if (hi != 0) atomicAdd(&hi_words[b], hi);
+}
+
+__device__ __forceinline__ void clear_weights(SampleSmem& s, int num_bins) {
+  for (int b = threadIdx.x; b < num_bins; b += kThreads) s.w.part.lo[b] = 0, s.w.part.hi[b] = 0;
+}
+
+// Turns the accumulated lo/hi words of bins [0, num_bins) into s.w.mass (in place).
+__device__ __forceinline__ void combine_weights(SampleSmem& s, int num_bins) {
+  unsigned long long v[kBinsPerThread];
+  __syncthreads();  // the accumulation is complete
+#pragma unroll
+  for (int k = 0; k < kBinsPerThread; ++k) {
+    const int b = threadIdx.x + k * kThreads;
+    v[k] = b < num_bins ? (static_cast<unsigned long long>(s.w.part.hi[b]) << 32) | s.w.part.lo[b] : 0;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kBinsPerThread; ++k) {
+    const int b = threadIdx.x + k * kThreads;
+    if (b < num_bins) s.w.mass[b] = v[k];
+  }
+  __syncthreads();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Passes over a row
 
 // Calls f(token, logit, valid) on every logit of the row, 16-byte loads when the row allows;
 // every thread makes the same number of calls (valid = false past the end), so f may use
 // warp-wide intrinsics.
-template <typename F>
+template <int kUnroll = kLoadUnroll, typename F>
 __device__ __forceinline__ void for_each_logit(const float* row, int vocab, F&& f) {
   if ((reinterpret_cast<uintptr_t>(row) & 15) == 0) {
     const int n4 = vocab >> 2;
     const float4* r4 = reinterpret_cast<const float4*>(row);
-    for (int base = 0; base < n4; base += kThreads * kLoadUnroll) {
-      float4 v[kLoadUnroll];
+    for (int base = 0; base < n4; base += kThreads * kUnroll) {
+      float4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kLoadUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
         const int j = base + u * kThreads + static_cast<int>(threadIdx.x);
         v[u] = j < n4 ? __ldg(r4 + j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
 #pragma unroll
-      for (int u = 0; u < kLoadUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
         const int j = base + u * kThreads + static_cast<int>(threadIdx.x);
         const bool ok = j < n4;
         f(4 * j, v[u].x, ok);
@@ -266,36 +305,40 @@ __device__ __forceinline__ void for_each_logit(const float* row, int vocab, F&& 
 __device__ inline int row_argmax(const float* row, int vocab, SampleSmem& s) {
   float bv = -INFINITY;
   int bi = kNoToken;
-  for_each_logit(row, vocab, [&](int i, float l, bool ok) {
+  for_each_logit<8>(row, vocab, [&](int i, float l, bool ok) {
     if (ok && better(l, i, bv, bi)) bv = l, bi = i;
   });
   block_argmax(&bv, &bi, s);
   return bi == kNoToken ? 0 : bi;
 }
 
-// The max logit, and the max over the tokens other than `excluded`.
+// The max logit, and the first token of the CPU order other than `excluded` (argmax, lowest id).
 __device__ inline void row_max(const float* row, int vocab, int excluded, float* lmax,
-                               float* lmax_other, SampleSmem& s) {
+                               float* lmax_other, int* id_other, SampleSmem& s) {
   float m = -INFINITY, mo = -INFINITY;
+  int io = kNoToken;
   for_each_logit(row, vocab, [&](int i, float l, bool ok) {
     if (!ok) return;
     m = fmaxf(m, l);
-    if (i != excluded) mo = fmaxf(mo, l);
+    if (i != excluded && better(l, i, mo, io)) mo = l, io = i;
   });
   *lmax = block_max(m, s);
-  *lmax_other = block_max(mo, s);
+  block_argmax(&mo, &io, s);
+  *lmax_other = mo;
+  *id_other = io;
 }
 
 // Histogram of the tokens kept by `cut` over the kBins bins of y = (max - logit) * scale,
-// weighted by 1 (by_mass = false: mass[] holds counts) or by mass_weight (count[] holds counts).
-// Bins 0 and kBins - 1 (ties at the max, the far tail) are summed in registers, not atomics.
-// Returns the total weight.
+// weighted by 1 (by_mass = false: w.mass[] holds counts) or by mass_weight (count[] holds
+// counts). Bins 0 and kBins - 1 (ties at the max, the far tail) are summed in registers, the
+// others with shared-memory atomics. Returns the total weight.
 __device__ inline unsigned long long histogram(const Row& r, const Cut& cut, bool by_mass,
                                                float scale, SampleSmem& s) {
-  for (int b = threadIdx.x; b < kBins; b += kThreads) s.mass[b] = 0, s.count[b] = 0;
+  clear_weights(s, kBins);
+  for (int b = threadIdx.x; b < kBins; b += kThreads) s.count[b] = 0;
   __syncthreads();
   unsigned long long m_first = 0, m_last = 0, total = 0;
-  unsigned long long c_first = 0, c_last = 0;
+  unsigned int c_first = 0, c_last = 0;
   for_each_logit(r.logits, r.vocab, [&](int i, float l, bool ok) {
     if (!ok || !is_kept(cut, okey(l), i)) return;
     const int b = y_bin(r.lmax, l, scale);
@@ -306,20 +349,21 @@ __device__ inline unsigned long long histogram(const Row& r, const Cut& cut, boo
     } else if (b == kBins - 1) {
       m_last += w, ++c_last;
     } else {
-      atomicAdd(&s.mass[b], w);
+      add_weight(s.w.part.lo, s.w.part.hi, b, w);
       if (by_mass) atomicAdd(&s.count[b], 1u);
     }
   });
   m_first = block_add(m_first, s);
   m_last = block_add(m_last, s);
-  c_first = block_add(c_first, s);
-  c_last = block_add(c_last, s);
+  const unsigned long long cf = block_add(static_cast<unsigned long long>(c_first), s);
+  const unsigned long long cl = block_add(static_cast<unsigned long long>(c_last), s);
   total = block_add(total, s);
+  combine_weights(s, kBins);
   if (threadIdx.x == 0) {
-    s.mass[0] = m_first;
-    s.mass[kBins - 1] = m_last;
-    s.count[0] = static_cast<unsigned int>(c_first);
-    s.count[kBins - 1] = static_cast<unsigned int>(c_last);
+    s.w.mass[0] = m_first;
+    s.w.mass[kBins - 1] = m_last;
+    s.count[0] = static_cast<unsigned int>(cf);
+    s.count[kBins - 1] = static_cast<unsigned int>(cl);
   }
   __syncthreads();
   return total;
@@ -341,8 +385,8 @@ __device__ inline Crossing find_crossing(int num_bins, unsigned long long target
 #pragma unroll
   for (int k = 0; k < kBinsPerThread; ++k) {
     const int b = b0 + k;
-    m[k] = b < num_bins ? s.mass[b] : 0;
-    c[k] = b < num_bins ? (with_counts ? s.count[b] : s.mass[b]) : 0;
+    m[k] = b < num_bins ? s.w.mass[b] : 0;
+    c[k] = b < num_bins ? (with_counts ? s.count[b] : s.w.mass[b]) : 0;
     msum += m[k];
     csum += c[k];
   }
@@ -364,6 +408,22 @@ __device__ inline Crossing find_crossing(int num_bins, unsigned long long target
   }
   __syncthreads();
   return Crossing{s.cross_bin, s.cross_above, s.cross_count_before, s.cross_count_bin};
+}
+
+__device__ inline unsigned long long top_p_target(float top_p, unsigned long long total) {
+  double t = ceil(static_cast<double>(top_p) * static_cast<double>(total));
+  if (t > static_cast<double>(total)) t = static_cast<double>(total);
+  return t < 1.0 ? 1ull : static_cast<unsigned long long>(t);
+}
+
+// The histogram bin where the cumulative weight of the kept tokens reaches target (top-p: the
+// target is top_p of the total weight). *total: the total weight.
+__device__ inline Crossing locate(const Row& r, const Cut& cut, bool by_mass, float scale,
+                                  float top_p, unsigned long long target, unsigned long long* total,
+                                  SampleSmem& s) {
+  *total = histogram(r, cut, by_mass, scale, s);
+  if (by_mass) target = top_p_target(top_p, *total);
+  return find_crossing(kBins, target, by_mass, s);
 }
 
 // Appends the sort keys of the tokens kept by `cut` with bin in [lo_bin, hi_bin] to s.list
@@ -439,11 +499,6 @@ __device__ inline unsigned long long list_mass(const Row& r, int n, SampleSmem& 
   return block_add(m, s);
 }
 
-__device__ inline unsigned long long top_p_target(float top_p, unsigned long long total) {
-  double t = ceil(static_cast<double>(top_p) * static_cast<double>(total));
-  if (t > static_cast<double>(total)) t = static_cast<double>(total);
-  return t < 1.0 ? 1ull : static_cast<unsigned long long>(t);
-}
 
 // The id of the need-th token (in id order) with ordered key `key` kept by `prev`.
 __device__ inline int tie_id(const Row& r, uint32_t key, const Cut& prev, unsigned long long need,
@@ -477,19 +532,19 @@ __device__ inline Cut radix_cut(const Row& r, const Cut& prev, float scale, int 
   for (int level = 0; level < 3; ++level) {
     const int shift = level == 0 ? 21 : (level == 1 ? 10 : 0);  // digits of 11, 11, 10 bits
     const int nb = level == 2 ? 1024 : 2048;
-    for (int b = threadIdx.x; b < nb; b += kThreads) s.mass[b] = 0;
+    clear_weights(s, nb);
     __syncthreads();
     for_each_logit(r.logits, r.vocab, [&](int i, float l, bool ok) {
       if (!ok) return;
       const uint32_t key = okey(l);
       if ((key & mask) != prefix || !is_kept(prev, key, i) || y_bin(r.lmax, l, scale) != bin) return;
       const int digit = static_cast<int>((key >> shift) & static_cast<uint32_t>(nb - 1));
-      atomicAdd(&s.mass[nb - 1 - digit], by_mass ? mass_weight(r, l) : 1ull);  // larger first
+      add_weight(s.w.part.lo, s.w.part.hi, nb - 1 - digit, by_mass ? mass_weight(r, l) : 1ull);  // larger keys first
     });
-    __syncthreads();
+    combine_weights(s, nb);
     const Crossing c = find_crossing(nb, target - above, false, s);
     if (c.bin < 0) return prev;  // not reached: cannot happen when the bin holds the cut
-    eq_weight = s.mass[c.bin];
+    eq_weight = s.w.mass[c.bin];
     above += c.above;
     prefix |= static_cast<uint32_t>(nb - 1 - c.bin) << shift;
     mask |= static_cast<uint32_t>(nb - 1) << shift;
@@ -506,8 +561,8 @@ __device__ inline Kept select_kept(const Row& r, int top_k, float top_p, SampleS
   Kept kept{keep_all(), -1};
   if (top_k > 0 && top_k < r.vocab) {
     const unsigned long long k = static_cast<unsigned long long>(top_k);
-    histogram(r, keep_all(), false, 1.0f, s);
-    const Crossing c = find_crossing(kBins, k, false, s);
+    unsigned long long total;
+    const Crossing c = locate(r, keep_all(), false, 1.0f, 1.0f, k, &total, s);
     if (c.bin >= 0) {
       if (c.count_before + c.count_bin <= kListCap) {
         sort_list(compact(r, keep_all(), 1.0f, 0, c.bin, s), s);
@@ -526,8 +581,9 @@ __device__ inline Kept select_kept(const Row& r, int top_k, float top_p, SampleS
       const unsigned long long target = top_p_target(top_p, list_mass(r, kept.list_size, s));
       kept.list_size = list_mass_crossing(r, kept.list_size, 0, target, s) + 1;
     } else {
-      const unsigned long long target = top_p_target(top_p, histogram(r, kept.cut, true, r.inv_t, s));
-      const Crossing c = find_crossing(kBins, target, true, s);
+      unsigned long long total;
+      const Crossing c = locate(r, kept.cut, true, r.inv_t, top_p, 0, &total, s);
+      const unsigned long long target = top_p_target(top_p, total);
       if (c.bin >= 0) {
         if (c.count_before + c.count_bin <= kListCap) {
           const int n = compact(r, kept.cut, r.inv_t, 0, c.bin, s);
@@ -548,8 +604,10 @@ __device__ inline Kept select_kept(const Row& r, int top_k, float top_p, SampleS
 }
 
 // Gumbel-max over the kept set without `excluded` (-1: none); with_p: also p(excluded).
+// (lmax_other, id_other): the first token of the CPU order other than `excluded`.
 __device__ inline Draw gumbel_draw(const Row& r, const Kept& kept, int excluded, float lmax_other,
-                                   uint64_t seed, uint64_t position, bool with_p, SampleSmem& s) {
+                                   int id_other, uint64_t seed, uint64_t position, bool with_p,
+                                   SampleSmem& s) {
   float bv = -INFINITY, sum = 0.0f, e_excluded = 0.0f;
   int bi = kNoToken;
   auto visit = [&](int i, float l, bool maybe_best) {
@@ -570,11 +628,18 @@ __device__ inline Draw gumbel_draw(const Row& r, const Kept& kept, int excluded,
       visit(list_id(e), okey_value(list_key(e)), true);
     }
   } else {
-    // The best kept token other than `excluded` has logit lmax_other (the kept set is a prefix
-    // of the order, so it is kept whenever the set holds a token other than `excluded`).
-    const float bound = (lmax_other - r.lmax) * r.inv_t - kGumbelSpan;
+    // Token id_other is kept whenever the set holds a token other than `excluded` (the kept set
+    // is a prefix of the order), so the winner scores at least its score s_ref, and at least the
+    // best score seen so far: only tokens with z >= that - kGumbelMax need their noise.
+    float s_ref = -INFINITY;
+    if (id_other != kNoToken) {
+      s_ref = (lmax_other - r.lmax) * r.inv_t + gumbel_noise(seed, position, id_other);
+      if (!(s_ref < INFINITY)) s_ref = -INFINITY;  // u == 1: no pruning
+    }
     for_each_logit(r.logits, r.vocab, [&](int i, float l, bool ok) {
-      if (ok && is_kept(kept.cut, okey(l), i)) visit(i, l, (l - r.lmax) * r.inv_t >= bound);
+      if (ok && is_kept(kept.cut, okey(l), i)) {
+        visit(i, l, (l - r.lmax) * r.inv_t >= fmaxf(s_ref, bv) - kGumbelMax);
+      }
     });
   }
   block_argmax(&bv, &bi, s);
@@ -596,10 +661,11 @@ __device__ inline Draw draw_row(const float* logits, int vocab, const SamplePara
                                 int64_t position, int excluded, bool with_p, SampleSmem& s) {
   Row r{logits, vocab, 0.0f, 1.0f / p.temperature};
   float lmax_other;
-  row_max(logits, vocab, excluded, &r.lmax, &lmax_other, s);
+  int id_other;
+  row_max(logits, vocab, excluded, &r.lmax, &lmax_other, &id_other, s);
   const Kept kept = select_kept(r, p.top_k, p.top_p, s);
-  return gumbel_draw(r, kept, excluded, lmax_other, seed_of(p), static_cast<uint64_t>(position),
-                     with_p, s);
+  return gumbel_draw(r, kept, excluded, lmax_other, id_other, seed_of(p),
+                     static_cast<uint64_t>(position), with_p, s);
 }
 
 }  // namespace sampling

@@ -37,6 +37,7 @@ import multiprocessing
 import os
 import re
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -144,19 +145,22 @@ def compile_one(kernel) -> dict:
                        f"non-constexpr arguments of {kernel.source}:{kernel.fn} {expected}")
     missing = set(kernel.constexprs) - set(fn.arg_names)
     if missing:
-        raise AotError(f"{kernel.name}: constexprs {sorted(missing)} are not arguments of {kernel.fn}")
+        raise AotError(f"{kernel.name}: constexprs {sorted(missing)} are not arguments of "
+                       f"{kernel.fn}")
     signature = {}
     for n in fn.arg_names:
         signature[n] = "constexpr" if n in kernel.constexprs else dict(kernel.params)[n]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in kernel.aligned}
     target = GPUTarget("cuda", 90, 32)
     backend = triton.compiler.make_backend(target)
-    options = backend.parse_options({"num_warps": kernel.num_warps, "num_stages": kernel.num_stages})
+    options = backend.parse_options({"num_warps": kernel.num_warps,
+                                     "num_stages": kernel.num_stages})
     src = ASTSource(fn=fn, signature=signature, constexprs=dict(kernel.constexprs), attrs=attrs)
     try:
         compiled = triton.compile(src, target=target, options=options.__dict__)
     except Exception as exc:
-        raise AotError(f"{kernel.name}: triton.compile failed: {type(exc).__name__}: {exc}") from exc
+        raise AotError(f"{kernel.name}: triton.compile failed: "
+                       f"{type(exc).__name__}: {exc}") from exc
     md = compiled.metadata
     return {
         "name": kernel.name,
@@ -247,9 +251,10 @@ def _wrap(text: str, indent: str, width: int = 100) -> str:
 
 def _describe(kernel, result) -> str:
     consts = ", ".join(f"{k}={v}" for k, v in kernel.constexprs.items())
-    return (f"// {kernel.source}:{kernel.fn} with {consts}; num_warps={kernel.num_warps}, "
-            f"num_stages={kernel.num_stages}, {result['shared']} bytes of shared memory.\n"
-            f"// {kernel.doc}.\n")
+    text = (f"{kernel.source}:{kernel.fn} with {consts}; num_warps={kernel.num_warps}, "
+            f"num_stages={kernel.num_stages}, {result['shared']} bytes of shared memory. "
+            f"{kernel.doc}.")
+    return "".join(f"// {line}\n" for line in textwrap.wrap(text, width=97))
 
 
 def emit_header(kernels, results) -> str:
@@ -315,8 +320,8 @@ CUresult launch({sig});
 
 def _byte_array(data: bytes) -> str:
     rows = []
-    for i in range(0, len(data), 20):
-        rows.append("    " + ",".join(f"0x{b:02x}" for b in data[i:i + 20]) + ",")
+    for i in range(0, len(data), 16):
+        rows.append("    " + ",".join(f"0x{b:02x}" for b in data[i:i + 16]) + ",")
     return "\n".join(rows)
 
 
@@ -337,7 +342,8 @@ namespace {{
         digest = hashlib.sha256(result["cubin"]).hexdigest()
         sizes = ", ".join(str(s) for s in param_sizes[idx])
         out.append(f"""
-// {kernel.name}: {len(result['cubin'])} bytes, sha256 {digest}
+// {kernel.name}: {len(result['cubin'])} bytes,
+// sha256 {digest}
 alignas(64) static const unsigned char kCubin{idx}[{len(result['cubin'])}] = {{
 {_byte_array(result['cubin'])}
 }};
@@ -345,14 +351,15 @@ static const uint8_t kParamSizes{idx}[{len(param_sizes[idx])}] = {{{sizes}}};
 """)
     out.append("\n}  // namespace\n\nconst KernelImage kKernelImages[kNumKernels] = {\n")
     for idx, (kernel, result) in enumerate(zip(kernels, results)):
-        out.append(f"    {{\"{kernel.name}\", \"{result['entry']}\", kCubin{idx}, sizeof(kCubin{idx}), "
-                   f"{result['shared']}u, {kernel.num_warps * 32}u, {len(param_sizes[idx])}, "
-                   f"kParamSizes{idx}}},\n")
+        out.append(f"    {{\"{kernel.name}\", \"{result['entry']}\",\n"
+                   f"     kCubin{idx}, sizeof(kCubin{idx}), {result['shared']}u, "
+                   f"{kernel.num_warps * 32}u, {len(param_sizes[idx])}, kParamSizes{idx}}},\n")
     out.append("};\n")
     for kernel in kernels:
         sig = _wrap(_signature(kernel), " " * 16)
-        checks = " || ".join(f"{n} % 16 != 0" for n in kernel.aligned)
-        check_line = (f"  if ({checks}) return CUDA_ERROR_INVALID_VALUE;\n" if checks else "")
+        checks = " ||\n      ".join(f"{n} % 16 != 0" for n in kernel.aligned)
+        check_line = (f"  if ({checks}) {{\n    return CUDA_ERROR_INVALID_VALUE;\n  }}\n"
+                      if checks else "")
         params = _wrap(", ".join([f"&{n}" for n, _ in kernel.params] +
                                  [f"&{n}" for n in HIDDEN_PARAMS]), " " * 20)
         out.append(f"""

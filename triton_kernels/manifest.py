@@ -58,7 +58,8 @@ _ATTN_ALIGNED = ("q_ptr", "k_pool_ptr", "v_pool_ptr", "out_ptr")
 MAX_SPLITS = 32
 
 
-def _prefill(head_dim: int, block_m: int, block_n: int, num_warps: int, num_stages: int) -> KernelSpec:
+def _prefill(head_dim: int, block_m: int, block_n: int, num_warps: int,
+             num_stages: int) -> KernelSpec:
     return KernelSpec(
         name=f"paged_attention_prefill_hd{head_dim}",
         source="paged_attention.py",
@@ -68,7 +69,8 @@ def _prefill(head_dim: int, block_m: int, block_n: int, num_warps: int, num_stag
         num_warps=num_warps,
         num_stages=num_stages,
         aligned=_ATTN_ALIGNED,
-        doc="any number of queries per sequence; grid (T / (BLOCK_M / group) + num_seqs, num_kv_heads)",
+        doc="any number of queries per sequence; "
+            "grid (T / (BLOCK_M / group) + num_seqs, num_kv_heads)",
     )
 
 

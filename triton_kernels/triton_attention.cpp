@@ -161,11 +161,13 @@ Modules::Modules() {
   CUdevice dev = 0;
   DFLASH_CU_CHECK(api.cuCtxGetDevice(&dev));
   int major = 0, minor = 0, smem_optin = 0;
-  DFLASH_CU_CHECK(api.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
-  DFLASH_CU_CHECK(api.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev));
-  DFLASH_CU_CHECK(api.cuDeviceGetAttribute(&num_sms_, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
-  DFLASH_CU_CHECK(api.cuDeviceGetAttribute(
-      &smem_optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev));
+  const auto attribute = [&](int* value, CUdevice_attribute attr) {
+    DFLASH_CU_CHECK(api.cuDeviceGetAttribute(value, attr, dev));
+  };
+  attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+  attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+  attribute(&num_sms_, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
+  attribute(&smem_optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN);
   DFLASH_CHECK(major == 9 && minor == 0,
                "the Triton kernels are compiled for sm_90a (compute capability 9.0, Hopper); "
                "CUDA device ", dev, " has compute capability ", major, ".", minor);
@@ -190,7 +192,8 @@ Modules::Modules() {
                                                static_cast<int>(img.shared_bytes)));
       }
       int max_threads = 0;
-      DFLASH_CU_CHECK(api.cuFuncGetAttribute(&max_threads, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn));
+      DFLASH_CU_CHECK(
+          api.cuFuncGetAttribute(&max_threads, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn));
       DFLASH_CHECK(max_threads >= static_cast<int>(img.num_threads), "Triton kernel ", img.name,
                    " launches ", img.num_threads, " threads but allows only ", max_threads);
       functions_.push_back(fn);

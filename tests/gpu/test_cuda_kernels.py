@@ -542,7 +542,7 @@ def drafts_following_argmax(logits, seed):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17])
-@pytest.mark.parametrize("n", [0, 1, 7, 15])
+@pytest.mark.parametrize("n", [0, 1, 7, 15, 40])
 @pytest.mark.parametrize("vocab", [1000, 151936])
 def test_accept_greedy(rows, n, vocab):
     logits = llm_like_logits(rows * (n + 1), vocab, seed=rows * 31 + n).view(rows, n + 1, vocab)
@@ -558,8 +558,9 @@ def test_accept_greedy(rows, n, vocab):
 
 
 @pytest.mark.parametrize("vocab", [1000, 151936])
-def test_accept_sampling_matches_cpu_reference(vocab):
-    rows, n = 2 * len(SAMPLE_CONFIGS), 6
+@pytest.mark.parametrize("rows,n", [(20, 6), (10, 6), (8, 15), (3, 31), (2, 40)])
+def test_accept_sampling_matches_cpu_reference(vocab, rows, n):
+    """Few requests run the cluster kernel (8 blocks per request), many the one-block kernel."""
     logits = llm_like_logits(rows * (n + 1), vocab, seed=vocab + 1, spread=2.0).view(rows, n + 1, vocab)
     drafts = drafts_following_argmax(logits, seed=vocab)  # likely accepted, then a rejection
     temps = [SAMPLE_CONFIGS[i % len(SAMPLE_CONFIGS)][0] for i in range(rows)]
@@ -576,7 +577,7 @@ def test_accept_sampling_matches_cpu_reference(vocab):
             skipped += 1
         elif (num[r], nxt[r]) != (a, tok):
             mismatches.append((r, temps[r], ks[r], ps[r], (int(num[r]), int(nxt[r])), (a, tok)))
-    print(f"accept vocab={vocab}: {rows} requests, accepted {num.tolist()}, {len(mismatches)} mismatches, "
+    print(f"accept vocab={vocab} n={n}: {rows} requests, accepted {num.tolist()}, {len(mismatches)} mismatches, "
           f"{skipped} skipped (u == 1)")
     assert not mismatches, mismatches[:5]
 
