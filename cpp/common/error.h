@@ -3,9 +3,11 @@
 // dflash::InvalidArgument is for caller mistakes (Python: ValueError).
 #pragma once
 
+#include <cstdio>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace dflash {
 
@@ -20,10 +22,27 @@ class InvalidArgument : public std::invalid_argument {
 };
 
 namespace detail {
+// Numbers are formatted without the stream's locale facets (std::to_string / snprintf): a
+// process may hold another C++ runtime's facets (seen with torch loaded first on the GPU
+// machine), and an error message must never be what crashes.
+template <typename T>
+void stream_one(std::ostringstream& os, const T& x) {
+  if constexpr (std::is_same_v<T, bool>) {
+    os << (x ? "true" : "false");
+  } else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, char>) {
+    os << std::to_string(x);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(x));
+    os << buf;
+  } else {
+    os << x;
+  }
+}
 inline void stream_parts(std::ostringstream&) {}
 template <typename T, typename... Rest>
 void stream_parts(std::ostringstream& os, const T& first, const Rest&... rest) {
-  os << first;
+  stream_one(os, first);
   stream_parts(os, rest...);
 }
 template <typename... Parts>

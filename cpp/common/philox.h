@@ -47,11 +47,12 @@ DFLASH_HOST_DEVICE inline uint32_t philox_u32(uint64_t seed, uint64_t position, 
   return c[0];
 }
 
-// Uniform in the open interval (0, 1).
+// Uniform in the open interval (0, 1): 23 random bits + 1/2, so the largest value is
+// 1 - 2^-24 (with 24 bits, x + 0.5 can round up to exactly 1.0 in fp32).
 DFLASH_HOST_DEVICE inline float philox_uniform(uint64_t seed, uint64_t position, uint32_t index,
                                                uint32_t stream) {
-  return (static_cast<float>(philox_u32(seed, position, index, stream) >> 8) + 0.5f) *
-         (1.0f / 16777216.0f);
+  return (static_cast<float>(philox_u32(seed, position, index, stream) >> 9) + 0.5f) *
+         (1.0f / 8388608.0f);
 }
 
 }  // namespace dflash

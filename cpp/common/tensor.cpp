@@ -8,7 +8,7 @@ namespace dflash {
 std::string shape_str(const std::vector<int64_t>& shape) {
   std::ostringstream os;
   os << "[";
-  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << std::to_string(shape[i]);
   os << "]";
   return os.str();
 }

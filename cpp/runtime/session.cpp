@@ -66,6 +66,14 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
                                                                   : draft_config.block_size - 1;
   backend_ = backend_create(config.device, threads,
                             scratch_bytes(config_, config, static_cast<int64_t>(taps.size()), spec_tokens));
+  if (backend_->kind() == DeviceKind::kCUDA) {
+    auto check_head_dim = [](int64_t hd, const std::string& what) {
+      DFLASH_ARG_CHECK(hd == 64 || hd == 128, "the CUDA backend supports head_dim 64 and 128; ", what,
+                       " has head_dim ", hd);
+    };
+    check_head_dim(config_.head_dim, model_dir);
+    if (!config.draft_dir.empty()) check_head_dim(draft_config.geometry.head_dim, config.draft_dir);
+  }
   checkpoint_ = std::make_unique<Checkpoint>(model_dir);
   model_ = std::make_unique<Transformer>(config_, *checkpoint_, *backend_, taps);
   if (!config.draft_dir.empty()) {

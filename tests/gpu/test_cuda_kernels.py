@@ -298,7 +298,7 @@ def philox_uniform(seed, position, index, stream):
         n2 = (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1)
         c0, c1, c2, c3 = n0, p1 & _M32, n2, p0 & _M32
         k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
-    return ((c0 >> np.uint64(8)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    return ((c0 >> np.uint64(9)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 8388608.0)
 
 
 def ref_filtered(logits, temperature, top_k, top_p):

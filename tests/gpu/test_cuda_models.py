@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not _core.cuda_usable(), reason="needs the CUDA 
 LOGIT_ABS, LOGIT_REL = 0.05, 0.03
 GAP_TOL = 0.5  # a greedy divergence is accepted only where the fp32 top-2 gap is below this
 
-PRESETS = ["llama_gqa", "llama_mqa_tied", "llama3_rope", "qwen3", "qwen3_tied_bf16"]
+PRESETS = ["llama_hd64", "qwen3_hd128", "qwen3_hd64_tied_bf16"]  # head_dim 64 / 128
 
 
 def _prompts(n, seed=0):
@@ -102,7 +102,12 @@ def test_greedy_cuda_vs_cpu_and_transformers(name, sessions, tiny_model_dirs):
     assert st["num_free_blocks"] == st["num_blocks"]
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen3"])
+def test_unsupported_head_dim_is_a_clear_error(tiny_model_dirs):
+    with pytest.raises(ValueError, match="head_dim 64 and 128"):
+        dflash.Session(tiny_model_dirs["llama_gqa"], device="cuda")  # head_dim 16
+
+
+@pytest.mark.parametrize("name", ["llama_hd64", "qwen3_hd128"])
 def test_dflash_greedy_on_gpu(name, sessions, tiny_model_dirs, tmp_path):
     from dflash.drafter_format import write_dflash_drafter
 
@@ -132,7 +137,7 @@ def test_speculative_sampling_chi_squared_on_gpu(tiny_model_dirs, tmp_path):
     from dflash.drafter_format import write_dflash_drafter
     from tests.test_dflash_sampling import _chi2_ok, _target_probs
 
-    target = tiny_model_dirs["llama_gqa"]
+    target = tiny_model_dirs["llama_hd64"]
     cfg = json.loads((target / "config.json").read_text())
     dr = write_dflash_drafter(tmp_path / "d", target_config=cfg, num_layers=1, target_layer_ids=[0, 1], block_size=4)
     spec = dflash.Session(target, draft=dr, device="cuda")
