@@ -17,10 +17,12 @@ from dflash import _core
 
 pytestmark = pytest.mark.skipif(not _core.cuda_usable(), reason="needs the CUDA backend and a Hopper GPU")
 
-# bf16 tolerance on logits: |cuda - cpu| <= ABS + REL * max|logit| (bf16 keeps 8 mantissa bits;
-# errors compound over layers).
-LOGIT_ABS, LOGIT_REL = 0.05, 0.03
-GAP_TOL = 0.5  # a greedy divergence is accepted only where the fp32 top-2 gap is below this
+# bf16 tolerance: each model's bf16 noise floor is measured as the max |logit| error of
+# transformers' own bf16 forward on the GPU against our fp32 CPU forward (random-weight tiny
+# models amplify rounding very differently). Our CUDA logits must be within
+# TOL_FACTOR x floor (+ LOGIT_ABS) of the fp32 logits, and a greedy divergence is accepted only
+# where the fp32 top-2 gap is below TOL_FACTOR x floor.
+LOGIT_ABS, TOL_FACTOR = 0.05, 2.0
 
 PRESETS = ["llama_hd64", "qwen3_hd128", "qwen3_hd64_tied_bf16"]  # head_dim 64 / 128
 
@@ -50,6 +52,28 @@ def _forced_logits(sess, prompt, forced):
     return logits
 
 
+_FLOORS = {}
+
+
+def bf16_floor(name, tiny_model_dirs, cpu_sess):
+    """Max |logit| error of transformers in bf16 on the GPU vs our fp32 CPU forward."""
+    if name not in _FLOORS:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dirs[name]), dtype=torch.bfloat16).cuda().eval()
+        worst = 0.0
+        for prompt in _prompts(3, seed=1):
+            forced = _prompts(1, seed=len(prompt))[0][:9]
+            ref = _forced_logits(cpu_sess, prompt, forced)
+            with torch.no_grad():
+                got = hf(torch.tensor([prompt + forced], device="cuda")).logits[0].float().cpu().numpy()
+            worst = max(worst, float(np.max(np.abs(got - ref))))
+        _FLOORS[name] = worst
+        print(f"{name}: bf16 noise floor (transformers bf16 vs fp32) = {worst:.4f}")
+    return _FLOORS[name]
+
+
 def _first_divergence_gap(cpu_sess, prompt, got, want):
     """Index of the first differing token and the fp32 top-2 gap there."""
     i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
@@ -58,23 +82,23 @@ def _first_divergence_gap(cpu_sess, prompt, got, want):
     return i, float(top2[1] - top2[0])
 
 
-def _check_greedy(cpu_sess, prompt, got, want, label):
+def _check_greedy(cpu_sess, prompt, got, want, label, gap_tol):
     n = min(len(got), len(want))
     if got[:n] == want[:n]:
         return
     i, gap = _first_divergence_gap(cpu_sess, prompt, got, want)
-    print(f"{label}: diverges at token {i}; fp32 top-2 gap there {gap:.4f} (tolerance {GAP_TOL})")
-    assert gap < GAP_TOL, (label, i, gap)
+    print(f"{label}: diverges at token {i}; fp32 top-2 gap there {gap:.4f} (tolerance {gap_tol:.4f})")
+    assert gap < gap_tol, (label, i, gap)
 
 
 @pytest.mark.parametrize("name", PRESETS)
-def test_logits_cuda_vs_cpu(name, sessions):
+def test_logits_cuda_vs_cpu(name, sessions, tiny_model_dirs):
     gpu, cpu = sessions(name, "cuda"), sessions(name, "cpu", num_threads=2)
+    tol = LOGIT_ABS + TOL_FACTOR * bf16_floor(name, tiny_model_dirs, cpu)
     for prompt in _prompts(3, seed=1):
         forced = _prompts(1, seed=len(prompt))[0][:9]
         a, b = _forced_logits(gpu, prompt, forced), _forced_logits(cpu, prompt, forced)
         err = float(np.max(np.abs(a - b)))
-        tol = LOGIT_ABS + LOGIT_REL * float(np.max(np.abs(b)))
         print(f"{name}: max |logit(cuda) - logit(cpu)| = {err:.4f} (tolerance {tol:.4f})")
         assert err <= tol
 
@@ -91,13 +115,14 @@ def test_greedy_cuda_vs_cpu_and_transformers(name, sessions, tiny_model_dirs):
     got = gpu.generate(prompts, params)
     want = cpu.generate(prompts, params)
     eos = list(gpu.model_config.eos_token_ids)
+    gap_tol = TOL_FACTOR * bf16_floor(name, tiny_model_dirs, cpu)
     for p, g, w in zip(prompts, got, want):
-        _check_greedy(cpu, p, g.token_ids, w.token_ids, f"{name} cuda vs cpu")
+        _check_greedy(cpu, p, g.token_ids, w.token_ids, f"{name} cuda vs cpu", gap_tol)
         ids = torch.tensor([p], device="cuda")
         with torch.no_grad():
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                               eos_token_id=eos, pad_token_id=0)[0, len(p):].tolist()
-        _check_greedy(cpu, p, g.token_ids, ref, f"{name} cuda vs transformers(bf16, GPU)")
+        _check_greedy(cpu, p, g.token_ids, ref, f"{name} cuda vs transformers(bf16, GPU)", gap_tol)
     st = gpu.stats()
     assert st["num_free_blocks"] == st["num_blocks"]
 
@@ -120,15 +145,16 @@ def test_dflash_greedy_on_gpu(name, sessions, tiny_model_dirs, tmp_path):
     params = dflash.SamplingParams(max_tokens=40)
     got = spec.generate(prompts, params)
     want = ar_gpu.generate(prompts, params)
+    floor = bf16_floor(name, tiny_model_dirs, cpu)
     for p, g, w in zip(prompts, got, want):
-        _check_greedy(cpu, p, g.token_ids, w.token_ids, f"{name} dflash(cuda) vs ar(cuda)")
+        _check_greedy(cpu, p, g.token_ids, w.token_ids, f"{name} dflash(cuda) vs ar(cuda)", TOL_FACTOR * floor)
     # propose on the GPU vs the CPU backend (same drafter)
     spec_cpu = dflash.Session(target, draft=dr, device="cpu", num_threads=2)
     ids_g, logits_g = spec.propose(prompts[0])
     ids_c, logits_c = spec_cpu.propose(prompts[0])
     err = float(np.max(np.abs(logits_g - logits_c)))
     print(f"{name}: propose max |logit(cuda) - logit(cpu)| = {err:.4f}")
-    assert err <= LOGIT_ABS + LOGIT_REL * float(np.max(np.abs(logits_c)))
+    assert err <= LOGIT_ABS + TOL_FACTOR * floor
     st = spec.stats()
     assert st["num_free_blocks"] == st["num_blocks"]
 
