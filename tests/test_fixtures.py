@@ -174,4 +174,5 @@ def test_writer_is_deterministic(tmp_path: pathlib.Path) -> None:
 
 def test_presets_are_tiny() -> None:
     for name, spec in PRESETS.items():
-        assert spec.get("hidden_size", 64) <= 96 and spec.get("num_layers", 2) <= 3, name
+        # hidden 128 admits head_dim 64 with two heads (the CUDA attention kernels' sizes).
+        assert spec.get("hidden_size", 64) <= 128 and spec.get("num_layers", 2) <= 3, name
