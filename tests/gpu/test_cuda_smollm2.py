@@ -30,7 +30,9 @@ def smol():
     from dflash.default_model import default_model_dir
 
     d = default_model_dir()
-    return d, dflash.Session(d, device="cuda"), dflash.Session(d, device="cpu")
+    # Several GPU sessions share the card here: give each a fixed KV cache instead of the
+    # default (what gpu_memory_utilization leaves after the first one).
+    return d, dflash.Session(d, device="cuda", kv_cache_tokens=65536), dflash.Session(d, device="cpu")
 
 
 def _ids(sess, text):
@@ -89,7 +91,7 @@ def test_smollm2_dflash_random_drafter_on_gpu(smol, tmp_path):
     d, gpu, cpu = smol
     cfg = json.loads((d / "config.json").read_text())
     dr = write_dflash_drafter(tmp_path / "dr", target_config=cfg, num_layers=5, block_size=16, seed=7, init_std=0.05)
-    spec = dflash.Session(d, draft=dr, device="cuda")
+    spec = dflash.Session(d, draft=dr, device="cuda", kv_cache_tokens=65536)
     ids = [_ids(gpu, p) for p in PROMPTS * 2]
     params = dflash.SamplingParams(max_tokens=32)
     tol = 2 * _floor(d, cpu, ids[:2])
