@@ -253,6 +253,18 @@ def _add_train_parser(sub: Any) -> None:
     t.set_defaults(func=_cmd_train)
 
 
+def _add_bench_parser(sub: Any) -> None:
+    from dflash import bench_acceptance
+
+    b = sub.add_parser("bench", help="benchmarks (acceptance: tau of a DFlash drafter on prompt sets)")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    a = bsub.add_parser("acceptance", help="acceptance length tau per data set and temperature, batch 1",
+                        description="Acceptance length tau and per-position acceptance rates of a DFlash drafter on "
+                                    "GSM8K, HumanEval, MT-Bench and MATH-500 (or --prompts FILE), one request at a time.")
+    bench_acceptance.add_arguments(a)
+    a.set_defaults(func=bench_acceptance.run_from_args, _parser=a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash", description="dflash: speculative-decoding LLM runtime")
     sub = p.add_subparsers(dest="command", required=True)
@@ -289,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_convert)
 
     _add_train_parser(sub)
+    _add_bench_parser(sub)
     return p
 
 
