@@ -264,3 +264,26 @@ def test_default_target_layer_ids_rule(tmp_path, tiny_model_dirs, hf_model):
     ref_ids, ref_logits = propose_ref(hf_model(target), ref, p)
     assert ids.tolist() == ref_ids.tolist()
     assert np.max(np.abs(logits - ref_logits.numpy())) <= 1e-4
+
+
+def test_sliding_window_layers_match_reference(tmp_path, tiny_model_dirs, hf_model):
+    # layer_types / sliding_window are read and honoured: sliding layers attend causally within
+    # the window (vLLM/SGLang semantics, as the reference implements them), full layers see all.
+    target = tiny_model_dirs["qwen3"]
+    dr = _drafter(tmp_path, target, num_layers=2, target_layer_ids=[0, 1], block_size=6,
+                  layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    cfg = json.loads((dr / "config.json").read_text())
+    assert cfg["layer_types"][0] == "sliding_attention" and cfg["sliding_window"] == 4
+    sess = dflash.Session(target, draft=dr, num_threads=2)
+    full = _drafter(tmp_path, target, name="full", num_layers=2, target_layer_ids=[0, 1], block_size=6)
+    full_sess = dflash.Session(target, draft=full, num_threads=2)
+    ref = load_drafter(dr)
+    model = hf_model(target)
+    for prompt in _prompts(3, seed=23, lo=8, hi=20):
+        ids, logits = sess.propose(prompt)
+        ref_ids, ref_logits = propose_ref(model, ref, prompt)
+        assert np.max(np.abs(logits - ref_logits.numpy())) <= 1e-4
+        assert ids.tolist() == ref_ids.tolist()
+        # Same weights without the window give different logits: the window is really applied.
+        _, logits_full = full_sess.propose(prompt)
+        assert np.max(np.abs(logits - logits_full)) > 1e-3

@@ -36,6 +36,7 @@ DraftConfig draft_config_load(const std::string& draft_dir) {
   Json geo = j;
   geo["architectures"] = Json::array({"Qwen3ForCausalLM"});
   geo.erase("eos_token_id");
+  geo.erase("use_sliding_window");  // the drafter's windows come from layer_types (below)
   DraftConfig d;
   d.path = path;
   d.geometry = model_config_from_json(geo, path);
