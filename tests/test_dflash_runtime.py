@@ -287,3 +287,35 @@ def test_sliding_window_layers_match_reference(tmp_path, tiny_model_dirs, hf_mod
         # Same weights without the window give different logits: the window is really applied.
         _, logits_full = full_sess.propose(prompt)
         assert np.max(np.abs(logits - logits_full)) > 1e-3
+
+
+def test_stop_string_inside_an_accepted_run_cuts_tokens_too(tmp_path, tiny_model_dirs):
+    # With full acceptance a step emits many tokens; a stop string among them ends the text
+    # before it and keeps only the tokens up to the one completing it.
+    target = tiny_model_dirs["llama_gqa"]
+    dr = _drafter(tmp_path, target, num_layers=1, target_layer_ids=[0, 1], block_size=8)
+    spec = dflash.Session(target, draft=dr, num_threads=2)
+    ar = dflash.Session(target, num_threads=2)
+    prompt = "the sea"
+    params = dflash.SamplingParams(max_tokens=40, stop_token_ids=[])
+    free = ar.generate(prompt, params)[0]
+    # A stop string of plain characters from the middle of the output (random weights also emit
+    # invalid UTF-8, which decodes to U+FFFD and is no stop string anyone writes).
+    clean = [i for i in range(6, len(free.text) - 2) if all(c.isascii() and c.isprintable() for c in free.text[i:i + 2])]
+    assert clean, free.text
+    stop = free.text[clean[0]:clean[0] + 2]
+    first = free.text.find(stop)
+    want_text = free.text[:first]
+    want = ar.generate(prompt, dflash.SamplingParams(max_tokens=40, stop_token_ids=[], stop=[stop]))[0]
+    assert want.text == want_text
+
+    def oracle(req):
+        req.oracle_drafts = free.token_ids
+
+    got = spec._generate(prompt, dflash.SamplingParams(max_tokens=40, stop_token_ids=[], stop=[stop]),
+                         request_hooks=oracle)[0]
+    assert got.text == want_text and got.finish_reason == "stop"
+    assert got.token_ids == want.token_ids
+    assert got.metrics.num_accepted > 0
+    st = spec.stats()
+    assert st["num_free_blocks"] == st["num_blocks"]

@@ -41,6 +41,7 @@ class _Live:
     decoder: Any
     stopped_by_string: bool = False
     stop_text_end: Optional[int] = None
+    stop_token_count: Optional[int] = None
 
 
 # Bound of the integer options (the C++ side holds them in 32/64-bit integers).
@@ -264,6 +265,7 @@ class Session:
             if hits:
                 entry.stopped_by_string = True
                 entry.stop_text_end = min(hits)
+                entry.stop_token_count = self._tokens_through_stop(entry, stops, start)
                 if not finished:
                     self._core.abort(step.request_id)
                 finished = True
@@ -278,8 +280,29 @@ class Session:
         if on_finish is not None:
             on_finish(out)
 
+    def _tokens_through_stop(self, entry: _Live, stops: Sequence[str], start: int) -> int:
+        """The fewest generated tokens whose text contains a stop string: a speculative step may
+        emit several tokens past it (and the incremental decoder may have held text back over
+        several steps), which the output must not keep. Binary search over token prefixes."""
+        ids = entry.decoder.token_ids
+
+        def contains(k: int) -> bool:
+            text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+            return any(text.find(s, start) >= 0 for s in stops)
+
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if contains(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
     def _make_output(self, entry: _Live, result: Any) -> RequestOutput:
         token_ids = list(result.token_ids)
+        if entry.stopped_by_string and entry.stop_token_count is not None:
+            token_ids = token_ids[: entry.stop_token_count]
         if entry.stopped_by_string:
             text = entry.decoder.text[: entry.stop_text_end]
             reason = "stop"
