@@ -46,7 +46,8 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return ids
 
 
-def _target_rope_theta(cfg: Mapping[str, Any]) -> float:
+def target_rope_theta(cfg: Mapping[str, Any]) -> float:
+    """rope_theta of a HF config dict (top level or inside rope_parameters)."""
     if cfg.get("rope_theta") is not None:
         return float(cfg["rope_theta"])
     params = cfg.get("rope_parameters") or {}
@@ -179,7 +180,7 @@ def write_dflash_drafter(
     hd = int(head_dim)
     inter = int(intermediate_size if intermediate_size is not None else _require(tc, "intermediate_size"))
     eps = float(rms_norm_eps if rms_norm_eps is not None else tc.get("rms_norm_eps", 1e-6))
-    theta = float(rope_theta if rope_theta is not None else _target_rope_theta(tc))
+    theta = float(rope_theta if rope_theta is not None else target_rope_theta(tc))
     if heads < 1 or kv_heads < 1 or heads % kv_heads != 0:
         raise ValueError(f"num_heads ({heads}) must be a positive multiple of num_kv_heads ({kv_heads})")
     if hd < 2 or hd % 2 != 0 or inter < 1:

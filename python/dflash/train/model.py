@@ -37,19 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.drafter_format import build_target_layer_ids, write_dflash_drafter
+from dflash.drafter_format import build_target_layer_ids, target_rope_theta, write_dflash_drafter
 
 __all__ = ["DrafterConfig", "DFlashDrafter", "dense_block_mask", "target_rope_theta", "frozen_target_tensors"]
-
-
-def target_rope_theta(cfg: Mapping[str, Any]) -> float:
-    """rope_theta of a HF config dict (top level or inside rope_parameters)."""
-    if cfg.get("rope_theta") is not None:
-        return float(cfg["rope_theta"])
-    params = cfg.get("rope_parameters") or {}
-    if params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    return 10000.0
 
 
 @dataclass
