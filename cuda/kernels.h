@@ -93,5 +93,22 @@ cudaError_t kv_norm_rope_write(const __nv_bfloat16* kv, const __nv_bfloat16* k_n
                                int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, __nv_bfloat16* k_pool,
                                __nv_bfloat16* v_pool, cudaStream_t stream);
 
+// The same for all L drafter layers at once (after the stacked K/V GEMM): kv[C, L, 2 nkv hd],
+// k_norm[L, hd] or null; layer l's pools start at k_pool / v_pool + l * pool_layer_elems.
+cudaError_t kv_norm_rope_write_layers(const __nv_bfloat16* kv, const __nv_bfloat16* k_norm, float eps,
+                                      const int32_t* positions, const float* inv_freq, const int32_t* slots,
+                                      int64_t num_tokens, int64_t num_layers, int64_t num_kv_heads,
+                                      int64_t head_dim, int64_t pool_layer_elems, __nv_bfloat16* k_pool,
+                                      __nv_bfloat16* v_pool, cudaStream_t stream);
+
+// out[R] = argmax of each row of logits[R, V] (lowest id on ties; NaN never wins).
+cudaError_t argmax_rows(const __nv_bfloat16* logits, int64_t rows, int64_t vocab, int32_t* out, cudaStream_t stream);
+cudaError_t argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* out, cudaStream_t stream);
+
+// Per request r of `rows`: drafts[r, :] = use_override[r] ? override_drafts[r, :] : proposed[r, :]
+// (each [n]); verify_ids[r, 1 + j] = drafts[r, j] in verify_ids [rows, n + 1].
+cudaError_t assemble_drafts(const int32_t* proposed, const int32_t* override_drafts, const int32_t* use_override,
+                            int64_t rows, int64_t n, int32_t* drafts, int32_t* verify_ids, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace dflash

@@ -46,48 +46,55 @@ cudaError_t kv_write(const __nv_bfloat16* k, const __nv_bfloat16* v, const int32
   return cudaGetLastError();
 }
 
-// kv [C, 2 nkv hd] (K heads then V heads), k_norm [hd] or null, positions [C], inv_freq [hd/2],
-// slots [C], k_pool / v_pool [num_slots, nkv hd]. One warp per (token, head) of the 2 nkv heads.
+// kv [C, L, 2 nkv hd] (per layer K heads then V heads), k_norm [L, hd] or null, positions [C],
+// inv_freq [hd/2], slots [C], k_pool / v_pool [L, num_slots, nkv hd] (layer stride
+// pool_layer_elems). One warp per (token, layer, head) of the 2 nkv heads.
 template <int P>
 static __global__ void __launch_bounds__(kRopeThreads)
     kv_norm_rope_write_kernel(const __nv_bfloat16* kv, const __nv_bfloat16* k_norm, float eps,
                               const int32_t* positions, const float* inv_freq, const int32_t* slots,
-                              int64_t num_tokens, int num_kv_heads, int head_dim,
-                              __nv_bfloat16* k_pool, __nv_bfloat16* v_pool) {
+                              int64_t num_tokens, int num_layers, int num_kv_heads, int head_dim,
+                              int64_t pool_layer_elems, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool) {
   const int heads = 2 * num_kv_heads;
-  const int64_t units = num_tokens * heads;
+  const int64_t units = num_tokens * num_layers * heads;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   for (int64_t u = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; u < units;
        u += warps) {
-    const int64_t t = u / heads;
-    const int h = static_cast<int>(u - t * heads);
+    const int64_t tl = u / heads;  // token * num_layers + layer
+    const int h = static_cast<int>(u - tl * heads);
+    const int64_t t = tl / num_layers;
+    const int l = static_cast<int>(tl - t * num_layers);
     const int64_t s = slots[t];
     if (s < 0) continue;  // uniform over the warp
     const __nv_bfloat16* src = kv + u * head_dim;
+    const int64_t base = l * pool_layer_elems;
     if (h < num_kv_heads) {
-      detail::norm_rope_head<P>(src, k_norm, eps, static_cast<float>(positions[t]), inv_freq,
-                                head_dim, k_pool + (s * num_kv_heads + h) * head_dim);
+      detail::norm_rope_head<P>(src, k_norm ? k_norm + static_cast<int64_t>(l) * head_dim : nullptr, eps,
+                                static_cast<float>(positions[t]), inv_freq, head_dim,
+                                k_pool + base + (s * num_kv_heads + h) * head_dim);
     } else {
-      detail::copy_head<P>(src, head_dim, v_pool + (s * num_kv_heads + h - num_kv_heads) * head_dim);
+      detail::copy_head<P>(src, head_dim, v_pool + base + (s * num_kv_heads + h - num_kv_heads) * head_dim);
     }
   }
 }
 
-cudaError_t kv_norm_rope_write(const __nv_bfloat16* kv, const __nv_bfloat16* k_norm, float eps,
-                               const int32_t* positions, const float* inv_freq,
-                               const int32_t* slots, int64_t num_tokens, int64_t num_kv_heads,
-                               int64_t head_dim, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool,
-                               cudaStream_t stream) {
-  if (num_tokens <= 0 || num_kv_heads <= 0) return cudaSuccess;
+cudaError_t kv_norm_rope_write_layers(const __nv_bfloat16* kv, const __nv_bfloat16* k_norm, float eps,
+                                      const int32_t* positions, const float* inv_freq, const int32_t* slots,
+                                      int64_t num_tokens, int64_t num_layers, int64_t num_kv_heads,
+                                      int64_t head_dim, int64_t pool_layer_elems, __nv_bfloat16* k_pool,
+                                      __nv_bfloat16* v_pool, cudaStream_t stream) {
+  if (num_tokens <= 0 || num_kv_heads <= 0 || num_layers <= 0) return cudaSuccess;
   if (head_dim <= 0 || head_dim % 2 != 0) return cudaErrorInvalidValue;
   const uintptr_t bits = reinterpret_cast<uintptr_t>(kv) | reinterpret_cast<uintptr_t>(k_norm) |
-                         reinterpret_cast<uintptr_t>(k_pool) | reinterpret_cast<uintptr_t>(v_pool);
+                         reinterpret_cast<uintptr_t>(k_pool) | reinterpret_cast<uintptr_t>(v_pool) |
+                         static_cast<uintptr_t>(pool_layer_elems * 2);
   const int pairs = detail::rope_pairs_per_lane(head_dim, bits);
-  const unsigned blocks = detail::grid_for(num_tokens * 2 * num_kv_heads, kRopeThreads / 32, 1 << 20);
-  const int nkv = static_cast<int>(num_kv_heads), hd = static_cast<int>(head_dim);
-#define DFLASH_KV_ROPE_LAUNCH(P)                                                          \
-  kv_norm_rope_write_kernel<P><<<blocks, kRopeThreads, 0, stream>>>(                      \
-      kv, k_norm, eps, positions, inv_freq, slots, num_tokens, nkv, hd, k_pool, v_pool)
+  const unsigned blocks =
+      detail::grid_for(num_tokens * num_layers * 2 * num_kv_heads, kRopeThreads / 32, 1 << 20);
+  const int nl = static_cast<int>(num_layers), nkv = static_cast<int>(num_kv_heads), hd = static_cast<int>(head_dim);
+#define DFLASH_KV_ROPE_LAUNCH(P)                                                                \
+  kv_norm_rope_write_kernel<P><<<blocks, kRopeThreads, 0, stream>>>(                            \
+      kv, k_norm, eps, positions, inv_freq, slots, num_tokens, nl, nkv, hd, pool_layer_elems, k_pool, v_pool)
   switch (pairs) {
     case 4: DFLASH_KV_ROPE_LAUNCH(4); break;
     case 2: DFLASH_KV_ROPE_LAUNCH(2); break;
@@ -96,6 +103,15 @@ cudaError_t kv_norm_rope_write(const __nv_bfloat16* kv, const __nv_bfloat16* k_n
   }
 #undef DFLASH_KV_ROPE_LAUNCH
   return cudaGetLastError();
+}
+
+cudaError_t kv_norm_rope_write(const __nv_bfloat16* kv, const __nv_bfloat16* k_norm, float eps,
+                               const int32_t* positions, const float* inv_freq,
+                               const int32_t* slots, int64_t num_tokens, int64_t num_kv_heads,
+                               int64_t head_dim, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool,
+                               cudaStream_t stream) {
+  return kv_norm_rope_write_layers(kv, k_norm, eps, positions, inv_freq, slots, num_tokens, 1, num_kv_heads,
+                                   head_dim, 0, k_pool, v_pool, stream);
 }
 
 }  // namespace cuda

@@ -105,6 +105,11 @@ def test_stats(sess):
         assert key in st
     assert st["device"] == "cpu" and st["weight_bytes"] > 0
     assert st["kv_cache_tokens"] == st["num_blocks"] * st["block_size"]
+    # the CPU runs decode programs eagerly, without padding, and says so
+    sess.generate(["hello"], dflash.SamplingParams(max_tokens=3))
+    st = sess.stats()
+    assert st["cuda_graphs"] is False and st["graph_batch_sizes"] == [] and st["graph_steps"] == 0
+    assert st["eager_steps"] >= 2 and st["eager_forwards"] >= 1
 
 
 def test_gil_is_released_during_generation(tiny_model_dirs):

@@ -534,6 +534,15 @@ def test_session_unknown_keyword_is_type_error(tiny_model_dirs):
         Session(tiny_model_dirs["llama_gqa"], foo=1)
 
 
+@pytest.mark.parametrize("value,message", [(True, "cuda_graphs=True needs device='cuda'"),
+                                           ("yes", "cuda_graphs must be True or False"),
+                                           (1, "cuda_graphs must be True or False")])
+def test_session_cuda_graphs_argument(tiny_model_dirs, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Session(tiny_model_dirs["llama_gqa"], device="cpu", cuda_graphs=value)
+    Session(tiny_model_dirs["llama_gqa"], device="cpu", cuda_graphs=False)  # eager is what the CPU does
+
+
 @pytest.mark.parametrize("device", ["tpu", "CPU", "", None])
 def test_session_bad_device(tiny_model_dirs, device):
     message = r"device must be 'auto', 'cpu' or 'cuda', got " + re.escape(repr(device))

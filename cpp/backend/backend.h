@@ -48,6 +48,28 @@ struct SampleRow {
   int64_t position = 0;  // absolute position of the token being sampled
 };
 
+// SampleRow as the device-side ops read it (same layout as cuda::SampleParams): one per row of a
+// tensor of dtype kU8 holding R * sizeof(SampleParamsPacked) bytes.
+struct SampleParamsPacked {
+  float temperature;
+  int32_t top_k;
+  float top_p;
+  uint32_t seed_lo, seed_hi;
+  int64_t position;
+};
+static_assert(sizeof(SampleParamsPacked) == 32, "SampleParamsPacked must match cuda::SampleParams");
+
+inline SampleParamsPacked sample_params_pack(const SampleRow& r) {
+  return SampleParamsPacked{r.temperature, r.top_k, r.top_p, static_cast<uint32_t>(r.seed),
+                            static_cast<uint32_t>(r.seed >> 32), r.position};
+}
+
+// A captured sequence of backend ops (a CUDA graph), replayed with `Backend::graph_launch`.
+class CapturedGraph {
+ public:
+  virtual ~CapturedGraph() = default;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -104,6 +126,42 @@ class Backend {
   // Samples one token per row of logits[R, V] (fp32) into tokens_out (host, R entries).
   virtual void sample(const Tensor& logits, const std::vector<SampleRow>& rows,
                       int32_t* tokens_out) = 0;
+
+  // --- Device-side steps (no host round trip; usable inside captured graphs) ---
+  // out[R] = argmax of each row of logits[R, V] (fp32 or the compute dtype), lowest id on ties.
+  virtual void argmax(const Tensor& logits, Tensor& out) = 0;
+  // tokens[R] (device int32) = one token per row of logits[R, V] (fp32) with the packed
+  // params[R] (see SampleParamsPacked); the same draws as `sample`.
+  virtual void sample_rows(const Tensor& logits, const Tensor& params, Tensor& tokens) = 0;
+  // Acceptance of drafts[R, n] against logits[R, n + 1, V] (fp32) with params[R] (position =
+  // the first draft's): num_accepted[R] and next_token[R] (backend/cpu/host_acceptance.h semantics).
+  virtual void accept(const Tensor& drafts, const Tensor& logits, const Tensor& params, Tensor& num_accepted,
+                      Tensor& next_token) = 0;
+  // Per request r: drafts[r] = use_override[r] ? override[r] : proposed[r] (each [n]), and
+  // verify_ids[r, 1 + j] = drafts[r, j] (verify_ids[r, 0], the anchor, is left as it is).
+  virtual void assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,
+                               Tensor& drafts, Tensor& verify_ids) = 0;
+  // The drafter's context path for all L layers at once: kv[C, L * 2 * nkv * hd] (per layer K
+  // then V, as the stacked K/V GEMM writes it); K gets the per-head RMSNorm with
+  // k_norm[L * hd] (empty: none) and RoPE at positions[C]; K and V go to pool layer l at
+  // slots[C] (negative slots are skipped).
+  virtual void kv_norm_rope_write_layers(const Tensor& kv, const Tensor& k_norm, float eps, const Tensor& positions,
+                                         const Tensor& inv_freq, const Tensor& slots, KVPool& pool) = 0;
+
+  // --- Host staging and copies on the backend's stream (plain memcpy on the CPU) ---
+  // Host memory the device can copy from/to asynchronously (pinned on CUDA).
+  virtual std::shared_ptr<void> host_alloc(size_t bytes) = 0;
+  virtual void copy_to_device(Tensor& dst, const void* host, size_t bytes) = 0;
+  virtual void copy_to_host(void* host, const Tensor& src, size_t bytes) = 0;
+
+  // --- Graphs (CUDA): the ops issued between capture_begin and capture_end are recorded, not
+  // run; graph_launch replays them. Tensors they touch must outlive the graph. ---
+  virtual bool graphs_supported() const { return false; }
+  virtual void capture_begin() { DFLASH_CHECK(false, "graph capture is not supported by the ", name(), " backend"); }
+  virtual std::unique_ptr<CapturedGraph> capture_end() { return nullptr; }
+  virtual void graph_launch(const CapturedGraph& graph) {
+    DFLASH_CHECK(false, "graph replay is not supported by the ", name(), " backend");
+  }
 
   virtual int num_threads() const = 0;
 };

@@ -196,6 +196,49 @@ void cuda_kv_norm_rope_write(const Any& kv, const std::optional<Any>& k_norm, fl
                                   nullptr));
 }
 
+void cuda_kv_norm_rope_write_layers(const Any& kv, const std::optional<Any>& k_norm, float eps, const I32& positions,
+                                    const F32& inv_freq, const I32& slots, int64_t num_layers,
+                                    int64_t num_kv_heads, int64_t head_dim, const Any& k_pool, const Any& v_pool) {
+  const int64_t t = static_cast<int64_t>(positions.size());
+  DFLASH_ARG_CHECK(num_layers >= 1 && numel(kv) == t * num_layers * 2 * num_kv_heads * head_dim &&
+                       static_cast<int64_t>(slots.size()) == t &&
+                       static_cast<int64_t>(inv_freq.size()) * 2 == head_dim &&
+                       (!k_norm || numel(*k_norm) == num_layers * head_dim) && numel(k_pool) == numel(v_pool) &&
+                       numel(k_pool) % (num_layers * num_kv_heads * head_dim) == 0,
+                   "kv_norm_rope_write_layers: kv [C, L, 2 nkv hd], k_norm [L, hd], positions, slots [C], "
+                   "inv_freq [hd/2], pools [L, S, nkv hd]");
+  use_device(kv.device_id());
+  finish("kv_norm_rope_write_layers",
+         cuda::kv_norm_rope_write_layers(bf16_ptr(kv, "kv"), bf16_ptr(k_norm, "k_norm"), eps, positions.data(),
+                                         inv_freq.data(), slots.data(), t, num_layers, num_kv_heads, head_dim,
+                                         numel(k_pool) / num_layers, bf16_ptr(k_pool, "k_pool"),
+                                         bf16_ptr(v_pool, "v_pool"), nullptr));
+}
+
+void cuda_argmax_rows(const Any& logits, const I32& out) {
+  DFLASH_ARG_CHECK(logits.ndim() == 2 && static_cast<int64_t>(out.size()) == static_cast<int64_t>(logits.shape(0)),
+                   "argmax_rows: logits [R, V], out [R]");
+  use_device(logits.device_id());
+  const int64_t rows = logits.shape(0), vocab = logits.shape(1);
+  if (logits.dtype() == nb::dtype<float>()) {
+    finish("argmax_rows", cuda::argmax_rows(static_cast<const float*>(logits.data()), rows, vocab, out.data(), nullptr));
+  } else {
+    finish("argmax_rows", cuda::argmax_rows(bf16_ptr(logits, "logits"), rows, vocab, out.data(), nullptr));
+  }
+}
+
+void cuda_assemble_drafts(const I32& proposed, const I32& override_drafts, const I32& use_override, const I32& drafts,
+                          const I32& verify_ids) {
+  DFLASH_ARG_CHECK(drafts.ndim() == 2 && verify_ids.ndim() == 2 && verify_ids.shape(0) == drafts.shape(0) &&
+                       verify_ids.shape(1) == drafts.shape(1) + 1 && proposed.size() == drafts.size() &&
+                       override_drafts.size() == drafts.size() && use_override.size() == drafts.shape(0),
+                   "assemble_drafts: proposed, override, drafts [R, n], use_override [R], verify_ids [R, n + 1]");
+  use_device(drafts.device_id());
+  finish("assemble_drafts", cuda::assemble_drafts(proposed.data(), override_drafts.data(), use_override.data(),
+                                                  drafts.shape(0), drafts.shape(1), drafts.data(), verify_ids.data(),
+                                                  nullptr));
+}
+
 void cuda_gather_rows(const Any& x, const I32& rows, const Any& out) {
   const int64_t elem_bytes = x.dtype().bits / 8;
   DFLASH_ARG_CHECK(x.ndim() == 2 && out.ndim() == 2 && out.shape(0) == rows.size() &&
@@ -263,6 +306,12 @@ void bind_cuda_testing(nb::module_& m) {
   m.def("cuda_kv_norm_rope_write", &cuda_kv_norm_rope_write, "kv"_a, "k_norm"_a.none(), "eps"_a,
         "positions"_a, "inv_freq"_a, "slots"_a, "num_kv_heads"_a, "head_dim"_a, "k_pool"_a,
         "v_pool"_a);
+  m.def("cuda_kv_norm_rope_write_layers", &cuda_kv_norm_rope_write_layers, "kv"_a, "k_norm"_a.none(), "eps"_a,
+        "positions"_a, "inv_freq"_a, "slots"_a, "num_layers"_a, "num_kv_heads"_a, "head_dim"_a, "k_pool"_a,
+        "v_pool"_a);
+  m.def("cuda_argmax_rows", &cuda_argmax_rows, "logits"_a, "out"_a);
+  m.def("cuda_assemble_drafts", &cuda_assemble_drafts, "proposed"_a, "override_drafts"_a, "use_override"_a,
+        "drafts"_a, "verify_ids"_a);
   m.def("cuda_gather_rows", &cuda_gather_rows, "x"_a, "rows"_a, "out"_a);
   m.def("cuda_copy_columns", &cuda_copy_columns, "src"_a, "dst"_a, "col"_a);
   m.def("cuda_sample", &cuda_sample, "logits"_a, "temperature"_a, "top_k"_a, "top_p"_a, "seed"_a,

@@ -141,7 +141,8 @@ NB_MODULE(_core, m) {
       .def_rw("tap_layers", &SessionConfig::tap_layers)
       .def_rw("draft_dir", &SessionConfig::draft_dir)
       .def_rw("num_speculative_tokens", &SessionConfig::num_speculative_tokens)
-      .def_rw("gpu_memory_utilization", &SessionConfig::gpu_memory_utilization);
+      .def_rw("gpu_memory_utilization", &SessionConfig::gpu_memory_utilization)
+      .def_rw("cuda_graphs", &SessionConfig::cuda_graphs);
 
   nb::class_<SamplingConfig>(m, "SamplingConfig")
       .def(nb::init<>())
@@ -210,7 +211,11 @@ NB_MODULE(_core, m) {
       .def_ro("time_draft_s", &EngineStats::time_draft_s)
       .def_ro("time_verify_s", &EngineStats::time_verify_s)
       .def_ro("time_accept_s", &EngineStats::time_accept_s)
-      .def_ro("time_context_s", &EngineStats::time_context_s);
+      .def_ro("time_context_s", &EngineStats::time_context_s)
+      .def_ro("time_decode_s", &EngineStats::time_decode_s)
+      .def_ro("num_graph_steps", &EngineStats::num_graph_steps)
+      .def_ro("num_eager_decode_steps", &EngineStats::num_eager_decode_steps)
+      .def_ro("num_eager_forwards", &EngineStats::num_eager_forwards);
 
   nb::class_<SessionStats>(m, "SessionStats")
       .def_ro("device", &SessionStats::device)
@@ -226,6 +231,9 @@ NB_MODULE(_core, m) {
       .def_ro("draft_weight_bytes", &SessionStats::draft_weight_bytes)
       .def_ro("draft_kv_cache_bytes", &SessionStats::draft_kv_cache_bytes)
       .def_ro("num_speculative_tokens", &SessionStats::num_speculative_tokens)
+      .def_ro("cuda_graphs", &SessionStats::cuda_graphs)
+      .def_ro("graph_batch_sizes", &SessionStats::graph_batch_sizes)
+      .def_ro("graph_capture_s", &SessionStats::graph_capture_s)
       .def_ro("engine", &SessionStats::engine);
 
   nb::class_<ModelConfig>(m, "ModelConfig")

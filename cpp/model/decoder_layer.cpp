@@ -98,4 +98,17 @@ AttentionMeta attention_meta_build(Backend& backend, const ForwardBatch& batch, 
   return meta;
 }
 
+DeviceBatch device_batch_upload(Backend& backend, const ForwardBatch& batch, bool causal) {
+  DeviceBatch d;
+  d.num_tokens = batch.num_tokens();
+  d.token_ids = backend.upload_i32(batch.token_ids.data(), {d.num_tokens});
+  d.positions = backend.upload_i32(batch.positions.data(), {d.num_tokens});
+  d.slots = backend.upload_i32(batch.slots.data(), {d.num_tokens});
+  d.meta = attention_meta_build(backend, batch, causal);
+  const int64_t n = static_cast<int64_t>(batch.logit_rows.size());
+  d.logit_rows = backend.upload_i32(batch.logit_rows.data(), {n});
+  d.want_taps = batch.want_taps;
+  return d;
+}
+
 }  // namespace dflash

@@ -60,4 +60,7 @@ void decoder_layer_forward(Backend& backend, const LayerWeights& w, const LayerG
 // AttentionMeta of a ForwardBatch, uploaded to the backend.
 AttentionMeta attention_meta_build(Backend& backend, const ForwardBatch& batch, bool causal);
 
+// A ForwardBatch uploaded to the backend (per-step scratch).
+DeviceBatch device_batch_upload(Backend& backend, const ForwardBatch& batch, bool causal);
+
 }  // namespace dflash

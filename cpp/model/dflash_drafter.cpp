@@ -27,6 +27,22 @@ DFlashDrafter::DFlashDrafter(const DraftConfig& config, const std::string& draft
     layers_.push_back(
         layer_weights_load(backend_, ckpt, "layers." + std::to_string(l) + ".", geometry_, &weight_bytes_));
   }
+  // The context path of all layers as one GEMM: K/V projections stacked [L * 2 nkv hd, H] (a
+  // second copy of those rows; the layers' fused QKV keeps its own) and k_norm [L * hd].
+  const int64_t kv_rows = geometry_.num_kv_heads * geometry_.head_dim;
+  std::vector<const StoredTensor*> kv_parts, norm_parts;
+  for (int64_t l = 0; l < config_.geometry.num_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".self_attn.";
+    kv_parts.push_back(&ckpt.get(p + "k_proj.weight", {kv_rows, h}));
+    kv_parts.push_back(&ckpt.get(p + "v_proj.weight", {kv_rows, h}));
+    if (geometry_.qk_norm) norm_parts.push_back(&ckpt.get(p + "k_norm.weight", {geometry_.head_dim}));
+  }
+  kv_stacked_ = backend_.weight(kv_parts);
+  weight_bytes_ += kv_stacked_.nbytes();
+  if (!norm_parts.empty()) {
+    k_norm_stacked_ = backend_.weight(norm_parts);
+    weight_bytes_ += k_norm_stacked_.nbytes();
+  }
   std::vector<float> inv = config_.geometry.rope_inv_freq();
   inv_freq_ = backend_.upload_f32(inv.data(), {static_cast<int64_t>(inv.size())});
 }
@@ -39,54 +55,44 @@ void DFlashDrafter::update_context(const Tensor& taps, const std::vector<int32_t
                                    const std::vector<int32_t>& slots, KVPool& pool) {
   const int64_t c = static_cast<int64_t>(positions.size());
   if (c == 0) return;
+  DFLASH_CHECK(taps.dim(0) == c, "update_context: ", taps.dim(0), " tap rows for ", c, " positions");
+  update_context(taps, backend_.upload_i32(positions.data(), {c}), backend_.upload_i32(slots.data(), {c}), pool);
+}
+
+void DFlashDrafter::update_context(const Tensor& taps, const Tensor& positions, const Tensor& slots, KVPool& pool) {
+  const int64_t c = taps.dim(0);
+  if (c == 0) return;
   const LayerGeometry& g = geometry_;
   const DType dt = backend_.compute_dtype();
-  DFLASH_CHECK(taps.dim(0) == c, "update_context: ", taps.dim(0), " tap rows for ", c, " positions");
-  Tensor pos = backend_.upload_i32(positions.data(), {c});
-  Tensor slot = backend_.upload_i32(slots.data(), {c});
   Tensor feat = backend_.empty({c, g.hidden}, dt);
   Tensor ctx = backend_.empty({c, g.hidden}, dt);
   backend_.linear(taps, fc_, feat);
   backend_.rms_norm(feat, hidden_norm_, g.eps, ctx);
-  Tensor kv = backend_.empty({c, 2 * g.num_kv_heads * g.head_dim}, dt);
-  Tensor no_q = backend_.empty({c, 0, g.head_dim}, dt);
-  Tensor k = backend_.empty({c, g.num_kv_heads, g.head_dim}, dt);
-  Tensor v = backend_.empty({c, g.num_kv_heads, g.head_dim}, dt);
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    const LayerWeights& w = layers_[l];
-    backend_.linear(ctx, w.kv_weight(g), kv);
-    backend_.qkv_norm_rope(kv, Tensor(), w.k_norm, g.eps, pos, inv_freq_, 1.0f, no_q, k, v);
-    backend_.kv_write(pool, static_cast<int64_t>(l), k, v, slot);
-  }
+  Tensor kv = backend_.empty({c, kv_stacked_.dim(0)}, dt);
+  backend_.linear(ctx, kv_stacked_, kv);
+  backend_.kv_norm_rope_write_layers(kv, k_norm_stacked_, g.eps, positions, inv_freq_, slots, pool);
 }
 
 Tensor DFlashDrafter::draft(const ForwardBatch& batch, KVPool& pool) {
-  const int64_t t = batch.num_tokens();
+  return draft(device_batch_upload(backend_, batch, /*causal=*/false), pool, DType::kF32);
+}
+
+Tensor DFlashDrafter::draft(const DeviceBatch& batch, KVPool& pool, DType logits_dtype) {
+  const int64_t t = batch.num_tokens;
   const LayerGeometry& g = geometry_;
   const DType dt = backend_.compute_dtype();
-  Tensor ids = backend_.upload_i32(batch.token_ids.data(), {t});
-  Tensor positions = backend_.upload_i32(batch.positions.data(), {t});
-  Tensor slots = backend_.upload_i32(batch.slots.data(), {t});
-  AttentionMeta full = attention_meta_build(backend_, batch, /*causal=*/false);
   LayerScratch s(backend_, g, t);
   Tensor residual = backend_.empty({t, g.hidden}, dt);
-  backend_.embedding(target_.embedding(), ids, residual);
+  backend_.embedding(target_.embedding(), batch.token_ids, residual);
   for (size_t l = 0; l < layers_.size(); ++l) {
-    AttentionMeta meta = full;
+    AttentionMeta meta = batch.meta;
+    meta.causal = false;
     meta.window = config_.sliding_window[l];
-    decoder_layer_forward(backend_, layers_[l], g, l == 0, positions, inv_freq_, slots, meta, pool,
+    decoder_layer_forward(backend_, layers_[l], g, l == 0, batch.positions, inv_freq_, batch.slots, meta, pool,
                           static_cast<int64_t>(l), residual, s);
   }
   backend_.add_rms_norm(residual, s.proj, norm_, g.eps, s.normed);
-  const int64_t n = static_cast<int64_t>(batch.logit_rows.size());
-  Tensor logits = backend_.empty({n, target_.config().vocab_size}, DType::kF32);
-  if (n > 0) {
-    Tensor rows = backend_.upload_i32(batch.logit_rows.data(), {n});
-    Tensor picked = backend_.empty({n, g.hidden}, dt);
-    backend_.gather_rows(s.normed, rows, picked);
-    backend_.linear(picked, target_.lm_head(), logits);
-  }
-  return logits;
+  return lm_head_rows(backend_, target_.lm_head(), s.normed, batch, logits_dtype);
 }
 
 }  // namespace dflash

@@ -31,11 +31,17 @@ class DFlashDrafter {
   // taps: [C, num_taps * target_hidden] target layer outputs; positions, slots: [C].
   void update_context(const Tensor& taps, const std::vector<int32_t>& positions,
                       const std::vector<int32_t>& slots, KVPool& pool);
+  // The same with positions, slots [C] int32 already on the backend: one GEMM for fc, one for
+  // the stacked K/V of all layers, one fused norm/RoPE/write kernel.
+  void update_context(const Tensor& taps, const Tensor& positions, const Tensor& slots, KVPool& pool);
 
   // One draft forward. batch.token_ids holds each request's block [anchor, mask x n] at
   // positions q0 .. q0 + n (kv_len = q0 + n + 1, slots for the block rows), and logit_rows the
   // block rows 1..n. Returns the logits [logit_rows, V] (fp32).
   Tensor draft(const ForwardBatch& batch, KVPool& pool);
+  // The same over a batch on the backend; logits in logits_dtype (the compute dtype is enough
+  // for greedy drafts).
+  Tensor draft(const DeviceBatch& batch, KVPool& pool, DType logits_dtype);
 
  private:
   DraftConfig config_;
@@ -47,6 +53,8 @@ class DFlashDrafter {
   Tensor norm_;         // [H]
   Tensor inv_freq_;     // [hd / 2]
   std::vector<LayerWeights> layers_;
+  Tensor kv_stacked_;      // [L * 2 nkv hd, H]: per layer k_proj then v_proj
+  Tensor k_norm_stacked_;  // [L * hd] or empty
   size_t weight_bytes_ = 0;
 };
 

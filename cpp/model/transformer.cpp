@@ -53,14 +53,15 @@ KVPool Transformer::make_kv_pool(int64_t num_blocks, int64_t block_size) const {
 }
 
 ForwardResult Transformer::forward(const ForwardBatch& batch, KVPool& pool) {
-  const int64_t t = batch.num_tokens(), h = config_.hidden_size;
+  DFLASH_CHECK(batch.num_tokens() > 0, "forward over an empty batch");
+  return forward(device_batch_upload(backend_, batch, /*causal=*/true), pool);
+}
+
+ForwardResult Transformer::forward(const DeviceBatch& batch, KVPool& pool) {
+  const int64_t t = batch.num_tokens, h = config_.hidden_size;
   const DType dt = backend_.compute_dtype();
   DFLASH_CHECK(t > 0, "forward over an empty batch");
 
-  Tensor ids = backend_.upload_i32(batch.token_ids.data(), {t});
-  Tensor positions = backend_.upload_i32(batch.positions.data(), {t});
-  Tensor slots = backend_.upload_i32(batch.slots.data(), {t});
-  AttentionMeta meta = attention_meta_build(backend_, batch, /*causal=*/true);
   LayerScratch s(backend_, geometry_, t);
   Tensor residual = backend_.empty({t, h}, dt);
   ForwardResult result;
@@ -68,10 +69,10 @@ ForwardResult Transformer::forward(const ForwardBatch& batch, KVPool& pool) {
   if (batch.want_taps && num_taps > 0) result.taps = backend_.empty({t, num_taps * h}, dt);
   Tensor tap_tmp = result.taps.empty() ? Tensor() : backend_.empty({t, h}, dt);
 
-  backend_.embedding(embed_, ids, residual);
+  backend_.embedding(embed_, batch.token_ids, residual);
   for (int64_t l = 0; l < config_.num_layers; ++l) {
-    decoder_layer_forward(backend_, layers_[l], geometry_, l == 0, positions, inv_freq_, slots, meta, pool, l,
-                          residual, s);
+    decoder_layer_forward(backend_, layers_[l], geometry_, l == 0, batch.positions, inv_freq_, batch.slots,
+                          batch.meta, pool, l, residual, s);
     if (!result.taps.empty()) {
       auto it = std::find(tap_layers_.begin(), tap_layers_.end(), static_cast<int>(l));
       if (it != tap_layers_.end()) {  // the layer's output, written as column block j of taps
@@ -81,15 +82,23 @@ ForwardResult Transformer::forward(const ForwardBatch& batch, KVPool& pool) {
     }
   }
   backend_.add_rms_norm(residual, s.proj, final_norm_, geometry_.eps, s.normed);
-  const int64_t n = static_cast<int64_t>(batch.logit_rows.size());
-  result.logits = backend_.empty({n, config_.vocab_size}, DType::kF32);
-  if (n > 0) {
-    Tensor rows = backend_.upload_i32(batch.logit_rows.data(), {n});
-    Tensor picked = backend_.empty({n, h}, dt);
-    backend_.gather_rows(s.normed, rows, picked);
-    backend_.linear(picked, lm_head_, result.logits);
-  }
+  result.logits = lm_head_rows(backend_, lm_head_, s.normed, batch, DType::kF32);
   return result;
+}
+
+Tensor lm_head_rows(Backend& backend, const Tensor& lm_head, const Tensor& normed, const DeviceBatch& batch,
+                    DType logits_dtype) {
+  const int64_t n = batch.num_logit_rows(), h = normed.dim(1);
+  Tensor logits = backend.empty({n, lm_head.dim(0)}, logits_dtype);
+  if (n == 0) return logits;
+  if (batch.all_logit_rows) {
+    backend.linear(normed, lm_head, logits);
+  } else {
+    Tensor picked = backend.empty({n, h}, normed.dtype);
+    backend.gather_rows(normed, batch.logit_rows, picked);
+    backend.linear(picked, lm_head, logits);
+  }
+  return logits;
 }
 
 }  // namespace dflash

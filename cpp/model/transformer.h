@@ -34,7 +34,9 @@ class Transformer {
   // Creates a K/V pool of num_blocks blocks for this model.
   KVPool make_kv_pool(int64_t num_blocks, int64_t block_size) const;
 
+  // A causal forward over the batch (uploaded first) / over a batch already on the backend.
   ForwardResult forward(const ForwardBatch& batch, KVPool& pool);
+  ForwardResult forward(const DeviceBatch& batch, KVPool& pool);
 
  private:
   ModelConfig config_;
@@ -48,6 +50,10 @@ class Transformer {
   std::vector<LayerWeights> layers_;
   size_t weight_bytes_ = 0;
 };
+
+// logits[N, V] (logits_dtype) = normed rows of batch.logit_rows (or all rows) @ lm_head[V, H]^T.
+Tensor lm_head_rows(Backend& backend, const Tensor& lm_head, const Tensor& normed, const DeviceBatch& batch,
+                    DType logits_dtype);
 
 // A K/V pool for a stack of `num_layers` layers of geometry g.
 KVPool kv_pool_create(Backend& backend, int64_t num_layers, const LayerGeometry& g, int64_t num_blocks,

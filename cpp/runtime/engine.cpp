@@ -15,7 +15,7 @@ SchedulerConfig with_lookahead(SchedulerConfig sched, const Speculator& spec) {
 }  // namespace
 
 Engine::Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocator& allocator,
-               const SchedulerConfig& sched, int64_t max_model_len, Speculator spec)
+               const SchedulerConfig& sched, int64_t max_model_len, Speculator spec, EngineOptions options)
     : model_(model),
       backend_(backend),
       pool_(pool),
@@ -26,6 +26,25 @@ Engine::Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocato
   if (spec_.drafter) {
     stats_.accepted_per_position.assign(spec_.num_spec_tokens, 0);
   }
+  const int64_t reserved = trash_blocks(spec_, sched.block_size);
+  DFLASH_CHECK(pool_.num_blocks >= options.trash_block + reserved && options.trash_block >= allocator_.num_blocks(),
+               "the KV pool must hold ", reserved, " reserved blocks past the allocator's");
+  DecodeProgramConfig pc;
+  pc.max_batch = sched.max_num_seqs;
+  pc.max_model_len = max_model_len_;
+  pc.block_size = sched.block_size;
+  pc.num_spec_tokens = spec_.drafter ? spec_.num_spec_tokens : 0;
+  pc.trash_block = options.trash_block;
+  pc.pad = backend_.kind() == DeviceKind::kCUDA;
+  pc.graphs = options.cuda_graphs;
+  programs_ = std::make_unique<DecodePrograms>(backend_, model_, pool_, spec_.drafter, spec_.pool, pc);
+  programs_->capture();
+}
+
+Engine::~Engine() = default;
+
+int64_t Engine::trash_blocks(const Speculator& spec, int64_t block_size) {
+  return DecodePrograms::trash_blocks(spec.drafter ? spec.num_spec_tokens + 1 : 1, block_size);
 }
 
 int64_t Engine::add_request(RequestInput input) {
@@ -152,9 +171,77 @@ std::vector<int32_t> pending_tokens(const Request* r) {
 std::vector<StepOutput> Engine::step() {
   std::vector<Request*> running = scheduler_.schedule();
   if (running.empty()) return {};
-  backend_.begin_step();
   stats_.num_steps += 1;
-  return spec_.drafter ? speculative_step(running) : autoregressive_step(running);
+  // Requests past their prefill go through the decode program (a graph on CUDA); new prompts
+  // (and AR decode rows that record taps) through one eager ragged forward.
+  std::vector<Request*> decode, eager;
+  for (Request* r : running) {
+    const bool decoding = r->num_computed > 0 && (spec_.drafter || !r->input.record_taps);
+    (decoding ? decode : eager).push_back(r);
+  }
+  std::vector<StepOutput> outputs;
+  if (!decode.empty()) {
+    const Clock::time_point t0 = Clock::now();
+    outputs = spec_.drafter ? speculative_decode(decode) : autoregressive_decode(decode);
+    stats_.time_decode_s += std::chrono::duration<double>(Clock::now() - t0).count();
+    (programs_->graphs() ? stats_.num_graph_steps : stats_.num_eager_decode_steps) += 1;
+  }
+  if (!eager.empty()) {
+    backend_.begin_step();
+    stats_.num_eager_forwards += 1;
+    std::vector<StepOutput> more = spec_.drafter ? speculative_prefill(eager) : autoregressive_step(eager);
+    outputs.insert(outputs.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
+  }
+  return outputs;
+}
+
+void Engine::finish_if_done(Request* r, const StepOutput& out) {
+  if (out.finished) {
+    scheduler_.finish(r, out.finish_reason);
+    stats_.num_requests_finished += 1;
+  }
+}
+
+std::vector<StepOutput> Engine::autoregressive_decode(const std::vector<Request*>& running) {
+  std::vector<DecodeRow> rows(running.size());
+  bool any_record = false;
+  for (size_t i = 0; i < running.size(); ++i) {
+    Request* r = running[i];
+    const int64_t q0 = r->num_computed;
+    const SamplingConfig& s = r->input.sampling;
+    rows[i].anchor = r->token_at(q0);
+    rows[i].q0 = q0;
+    rows[i].blocks = &r->blocks;
+    rows[i].sample = SampleRow{s.temperature, s.top_k, s.top_p, s.seed, q0 + 1};
+    r->blocks.truncate(q0);
+    r->blocks.append(1);
+    any_record = any_record || r->input.record_logits;
+  }
+  programs_->run(rows);
+  const int32_t* sampled = programs_->tokens();
+  const int64_t vocab = model_.config().vocab_size;
+  std::vector<float> host_logits;
+  if (any_record) {
+    host_logits.resize(programs_->last_logits().numel());
+    backend_.download_f32(programs_->last_logits(), host_logits.data());
+  }
+  stats_.num_forward_tokens += static_cast<int64_t>(running.size());
+  const Clock::time_point now = Clock::now();
+  std::vector<StepOutput> outputs;
+  for (size_t i = 0; i < running.size(); ++i) {
+    Request* r = running[i];
+    r->num_computed += 1;
+    if (r->input.record_logits) {
+      r->logits.insert(r->logits.end(), host_logits.begin() + i * vocab, host_logits.begin() + (i + 1) * vocab);
+    }
+    const size_t k = r->output.size();
+    const int32_t token = k < r->input.forced_tokens.size() ? r->input.forced_tokens[k] : sampled[i];
+    StepOutput out;
+    emit(r, {token}, now, &out);
+    finish_if_done(r, out);
+    outputs.push_back(std::move(out));
+  }
+  return outputs;
 }
 
 std::vector<StepOutput> Engine::autoregressive_step(const std::vector<Request*>& running) {
@@ -223,10 +310,7 @@ std::vector<StepOutput> Engine::autoregressive_step(const std::vector<Request*>&
     const int32_t token = step_idx < r->input.forced_tokens.size() ? r->input.forced_tokens[step_idx] : sampled[i];
     StepOutput out;
     emit(r, {token}, now, &out);
-    if (out.finished) {
-      scheduler_.finish(r, out.finish_reason);
-      stats_.num_requests_finished += 1;
-    }
+    finish_if_done(r, out);
     outputs.push_back(std::move(out));
   }
   return outputs;

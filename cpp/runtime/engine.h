@@ -10,6 +10,7 @@
 #include "backend/backend.h"
 #include "model/dflash_drafter.h"
 #include "model/transformer.h"
+#include "runtime/decode_program.h"
 #include "runtime/request.h"
 #include "runtime/scheduler.h"
 
@@ -26,8 +27,21 @@ struct EngineStats {
   int64_t num_accepted = 0;
   int64_t num_spec_emitted = 0;
   std::vector<int64_t> accepted_per_position;
-  // Wall time of the phases of draft-verify steps (seconds, backend synchronised).
+  // Wall time of the phases of draft-verify decode steps (seconds; measured in eager mode
+  // only, where the backend is synchronised between phases), and of whole decode steps.
   double time_draft_s = 0.0, time_verify_s = 0.0, time_accept_s = 0.0, time_context_s = 0.0;
+  double time_decode_s = 0.0;
+  // How decode steps ran: replays of captured CUDA graphs, eager decode programs (graphs off, or
+  // the CPU), eager ragged forwards (prefills, and decode rows that record taps).
+  int64_t num_graph_steps = 0;
+  int64_t num_eager_decode_steps = 0;
+  int64_t num_eager_forwards = 0;
+};
+
+// How the engine runs decode steps.
+struct EngineOptions {
+  bool cuda_graphs = false;  // capture decode programs into graphs (CUDA)
+  int32_t trash_block = 0;   // first of the KV blocks reserved for padding rows
 };
 
 // The drafter side of an engine: the model, its KV pool (same block ids as the target's) and
@@ -41,7 +55,11 @@ struct Speculator {
 class Engine {
  public:
   Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocator& allocator,
-         const SchedulerConfig& sched, int64_t max_model_len, Speculator spec = Speculator());
+         const SchedulerConfig& sched, int64_t max_model_len, Speculator spec = Speculator(),
+         EngineOptions options = EngineOptions());
+  ~Engine();
+  // KV blocks the engine reserves past the allocator's for padding rows.
+  static int64_t trash_blocks(const Speculator& spec, int64_t block_size);
 
   // Validates (InvalidArgument on caller mistakes) and queues a request; returns its id.
   int64_t add_request(RequestInput input);
@@ -58,6 +76,9 @@ class Engine {
   std::unique_ptr<Request> take_finished(int64_t id) { return scheduler_.take_finished(id); }
 
   const EngineStats& stats() const { return stats_; }
+  bool cuda_graphs() const { return programs_ && programs_->graphs(); }
+  // Padded batch sizes of the decode programs (empty on the CPU: no padding).
+  std::vector<int64_t> graph_batch_sizes() const { return programs_ ? programs_->sizes() : std::vector<int64_t>(); }
   const Scheduler& scheduler() const { return scheduler_; }
   int64_t max_model_len() const { return max_model_len_; }
 
@@ -71,8 +92,15 @@ class Engine {
   // it) to a target batch.
   void add_rows(ForwardBatch& batch, Request* r, const std::vector<int32_t>& tokens, int max_blocks,
                 bool all_logits);
+  // Eager ragged forward over new prompts and decode rows that record taps (AR).
   std::vector<StepOutput> autoregressive_step(const std::vector<Request*>& running);
-  std::vector<StepOutput> speculative_step(const std::vector<Request*>& running);
+  // The AR / speculative decode program over requests past their prefill.
+  std::vector<StepOutput> autoregressive_decode(const std::vector<Request*>& running);
+  std::vector<StepOutput> speculative_decode(const std::vector<Request*>& running);
+  // Prefill of new requests with a drafter: target forward with taps, first token, context.
+  std::vector<StepOutput> speculative_prefill(const std::vector<Request*>& running);
+  // Bookkeeping after a request emitted `out`.
+  void finish_if_done(Request* r, const StepOutput& out);
 
   Transformer& model_;
   Backend& backend_;
@@ -83,6 +111,7 @@ class Engine {
   int64_t next_id_ = 0;
   EngineStats stats_;
   Speculator spec_;
+  std::unique_ptr<DecodePrograms> programs_;
 };
 
 }  // namespace dflash

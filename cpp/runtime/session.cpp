@@ -114,22 +114,29 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   }
   const int64_t num_blocks = BlockTable::blocks_for(kv_tokens, config.block_size);
   allocator_ = std::make_unique<BlockAllocator>(num_blocks);
-  pool_ = model_->make_kv_pool(num_blocks, config.block_size);
   Speculator spec;
   if (drafter_) {
-    draft_pool_ = drafter_->make_kv_pool(num_blocks, config.block_size);  // same block ids as the target
     spec.drafter = drafter_.get();
     spec.pool = &draft_pool_;
     spec.num_spec_tokens =
         config.num_speculative_tokens > 0 ? config.num_speculative_tokens : drafter_->config().block_size - 1;
   }
+  // Past the allocator's blocks: the blocks that padding rows of decode steps write.
+  const int64_t pool_blocks = num_blocks + Engine::trash_blocks(spec, config.block_size);
+  pool_ = model_->make_kv_pool(pool_blocks, config.block_size);
+  if (drafter_) draft_pool_ = drafter_->make_kv_pool(pool_blocks, config.block_size);  // same block ids
 
   kv_cache_tokens_ = num_blocks * config.block_size;
   SchedulerConfig sched;
   sched.block_size = config.block_size;
   sched.max_num_seqs = config.max_num_seqs;
   sched.max_num_batched_tokens = config.max_num_batched_tokens;
-  engine_ = std::make_unique<Engine>(*model_, *backend_, pool_, *allocator_, sched, max_model_len_, spec);
+  EngineOptions options;
+  options.cuda_graphs = config.cuda_graphs && backend_->kind() == DeviceKind::kCUDA;
+  options.trash_block = static_cast<int32_t>(num_blocks);
+  const Clock::time_point t0 = Clock::now();
+  engine_ = std::make_unique<Engine>(*model_, *backend_, pool_, *allocator_, sched, max_model_len_, spec, options);
+  graph_capture_s_ = options.cuda_graphs ? seconds_between(t0, Clock::now()) : 0.0;
 }
 
 RequestResult Session::take_result(int64_t id) {
@@ -178,13 +185,16 @@ SessionStats Session::stats() const {
   s.weight_bytes = static_cast<int64_t>(model_->weight_bytes());
   s.kv_cache_bytes = static_cast<int64_t>(pool_.k.nbytes() + pool_.v.nbytes());
   s.block_size = session_config_.block_size;
-  s.num_blocks = allocator_->num_blocks();
+  s.num_blocks = allocator_->num_blocks();  // the reserved padding blocks are not counted
   s.num_free_blocks = allocator_->num_free();
   s.kv_cache_tokens = s.num_blocks * s.block_size;
   s.max_model_len = max_model_len_;
   s.num_threads = backend_->num_threads();
   s.workspace_bytes = static_cast<int64_t>(backend_->workspace_bytes());
   s.engine = engine_->stats();
+  s.cuda_graphs = engine_->cuda_graphs();
+  s.graph_batch_sizes = engine_->graph_batch_sizes();
+  s.graph_capture_s = graph_capture_s_;
   if (drafter_) {
     s.draft_weight_bytes = static_cast<int64_t>(drafter_->weight_bytes());
     s.draft_kv_cache_bytes = static_cast<int64_t>(draft_pool_.k.nbytes() + draft_pool_.v.nbytes());

@@ -29,6 +29,7 @@ struct SessionConfig {
   std::string draft_dir;               // a DFlashDraftModel directory: speculative decoding
   int64_t num_speculative_tokens = 0;  // drafts per step, 1..block_size-1 (0: block_size-1)
   double gpu_memory_utilization = 0.9;  // CUDA: fraction of GPU memory this session may use
+  bool cuda_graphs = true;             // CUDA: replay decode steps from captured graphs
 };
 
 struct RequestResult {
@@ -55,6 +56,9 @@ struct SessionStats {
   int64_t draft_weight_bytes = 0;
   int64_t draft_kv_cache_bytes = 0;
   int64_t num_speculative_tokens = 0;  // 0 without a drafter
+  bool cuda_graphs = false;            // decode steps replay captured CUDA graphs
+  std::vector<int64_t> graph_batch_sizes;  // padded batch sizes of the decode programs
+  double graph_capture_s = 0.0;        // time spent capturing them at start-up
   EngineStats engine;
 };
 
@@ -90,6 +94,7 @@ class Session {
   std::unique_ptr<Engine> engine_;
   int64_t max_model_len_ = 0;
   int64_t kv_cache_tokens_ = 0;
+  double graph_capture_s_ = 0.0;
 };
 
 }  // namespace dflash

@@ -1,13 +1,11 @@
-// The DFlash draft–verify step of the engine, batched over requests with ragged acceptance:
-// draft (one non-causal drafter forward over [anchor, MASK x n] per decoding request) →
-// verify (one causal target forward with taps over prompts of new requests and the blocks of
-// decoding ones) → accept (greedy or exact rejection sampling) → commit (truncate the target
-// KV, emit tokens with stop checks, append anchor + accepted rows to the drafter's context).
-// Also Engine::propose, the one-prompt inspection used to debug drafters.
+// The DFlash draft–verify steps of the engine, batched over requests with ragged acceptance.
+// Prefill of new requests: one causal target forward with taps over their prompts, the first
+// token, the prompt rows into the drafter's context. Decode (decode_program.h, one CUDA graph):
+// draft over [anchor, MASK x n] → verify [anchor, drafts] with taps → accept (greedy or exact
+// rejection sampling) → drafter context; then commit here: truncate the target KV, emit tokens
+// with stop checks, metrics. Also Engine::propose, the one-prompt drafter inspection.
 #include <algorithm>
 
-#include "backend/cpu/host_sampling.h"
-#include "runtime/acceptance.h"
 #include "runtime/engine.h"
 
 namespace dflash {
@@ -64,130 +62,112 @@ double lap(Backend& backend, Clock::time_point* t) {
 
 }  // namespace
 
-std::vector<StepOutput> Engine::speculative_step(const std::vector<Request*>& running) {
+std::vector<StepOutput> Engine::speculative_prefill(const std::vector<Request*>& running) {
+  // One causal target forward with taps over the prompts; first token; drafter context.
   DFlashDrafter& drafter = *spec_.drafter;
-  const int64_t n = spec_.num_spec_tokens;
-  const int32_t mask = static_cast<int32_t>(drafter.config().mask_token_id);
-  const int64_t vocab = model_.config().vocab_size;
   const int max_blocks = max_blocks_of(running);
-  Clock::time_point t = Clock::now();
-
-  // 1. Draft for every request past its prefill.
-  std::vector<std::vector<int32_t>> drafts(running.size());
-  ForwardBatch draft_batch;
-  std::vector<size_t> decoding;
-  for (size_t i = 0; i < running.size(); ++i) {
-    Request* r = running[i];
-    if (r->num_computed == 0) continue;
-    decoding.push_back(i);
-    add_block(draft_batch, r->blocks, r->num_computed, r->output.back(), mask, n, max_blocks);
+  ForwardBatch batch;
+  batch.want_taps = true;
+  std::vector<SampleRow> rows;
+  for (Request* r : running) {
+    std::vector<int32_t> prompt(r->input.prompt.begin(), r->input.prompt.end());
+    add_rows(batch, r, prompt, max_blocks, false);
+    rows.push_back(sample_row_of(*r, static_cast<int64_t>(prompt.size())));
   }
-  if (!decoding.empty()) {
-    std::vector<int32_t> proposed = argmax_rows(backend_, drafter.draft(draft_batch, *spec_.pool));
-    for (size_t d = 0; d < decoding.size(); ++d) {
-      Request* r = running[decoding[d]];
-      std::vector<int32_t>& out = drafts[decoding[d]];
-      out.assign(proposed.begin() + d * n, proposed.begin() + (d + 1) * n);
-      const auto& oracle = r->input.oracle_drafts;
-      for (int64_t j = 0; j < n && !oracle.empty(); ++j) {
-        const size_t k = r->output.size() + j;  // drafts[j] is generated token number k
-        out[j] = k < oracle.size() ? oracle[k] : oracle.back();
-      }
-    }
-  }
+  ForwardResult fwd = model_.forward(batch, pool_);
+  std::vector<int32_t> sampled(running.size());
+  backend_.sample(fwd.logits, rows, sampled.data());
+  stats_.num_forward_tokens += batch.num_tokens();
 
-  stats_.time_draft_s += lap(backend_, &t);
-
-  // 2. Verify: one causal target forward with taps over prompts and [anchor, drafts] blocks.
-  ForwardBatch verify;
-  verify.want_taps = true;
-  for (size_t i = 0; i < running.size(); ++i) {
-    Request* r = running[i];
-    if (r->num_computed == 0) {
-      std::vector<int32_t> prompt(r->input.prompt.begin(), r->input.prompt.end());
-      add_rows(verify, r, prompt, max_blocks, false);
-    } else {
-      std::vector<int32_t> block = {r->output.back()};
-      block.insert(block.end(), drafts[i].begin(), drafts[i].end());
-      add_rows(verify, r, block, max_blocks, true);
-    }
-  }
-  ForwardResult fwd = model_.forward(verify, pool_);
-  std::vector<float> logits(fwd.logits.numel());
-  backend_.download_f32(fwd.logits, logits.data());
-  stats_.num_forward_tokens += verify.num_tokens();
-  stats_.time_verify_s += lap(backend_, &t);
-
-  // 3. Accept and commit.
   const Clock::time_point now = Clock::now();
   std::vector<StepOutput> outputs;
   std::vector<int32_t> ctx_rows, ctx_positions, ctx_slots;
-  int64_t logit_row = 0;
   for (size_t i = 0; i < running.size(); ++i) {
     Request* r = running[i];
-    const int64_t q0 = r->num_computed;
-    const int64_t row0 = verify.query_start[i];
-    std::vector<int32_t> emitted;
-    int64_t committed = 0;  // rows of this request whose K/V stay (and become drafter context)
-    if (q0 == 0) {
-      const int64_t prompt = static_cast<int64_t>(r->input.prompt.size());
-      const size_t k = r->output.size();
-      emitted.push_back(k < r->input.forced_tokens.size()
-                            ? r->input.forced_tokens[k]
-                            : sample_row_host(logits.data() + logit_row * vocab, vocab, sample_row_of(*r, prompt)));
-      logit_row += 1;
-      committed = prompt;
-    } else {
-      AcceptResult acc = accept_drafts(drafts[i].data(), n, logits.data() + logit_row * vocab, vocab,
-                                       sample_row_of(*r, q0 + 1), q0 + 1);
-      logit_row += n + 1;
-      emitted.assign(drafts[i].begin(), drafts[i].begin() + acc.num_accepted);
-      emitted.push_back(acc.next_token);
-      committed = acc.num_accepted + 1;  // the anchor and the accepted drafts
-      RequestMetrics& m = r->metrics;
-      m.num_spec_steps += 1;
-      m.num_drafted += n;
-      m.num_accepted += acc.num_accepted;
-      stats_.num_spec_steps += 1;
-      stats_.num_drafted += n;
-      stats_.num_accepted += acc.num_accepted;
-      for (int64_t j = 0; j < acc.num_accepted; ++j) {
-        m.accepted_per_position[j] += 1;
-        stats_.accepted_per_position[j] += 1;
-      }
-    }
-    r->num_computed = q0 + committed;
-    r->blocks.truncate(r->num_computed);  // drop the K/V of rejected drafts (O(1))
+    const int64_t prompt = static_cast<int64_t>(r->input.prompt.size());
+    const size_t k = r->output.size();
+    const int32_t token = k < r->input.forced_tokens.size() ? r->input.forced_tokens[k] : sampled[i];
+    r->num_computed = prompt;
     StepOutput out;
-    const int64_t appended = emit(r, emitted, now, &out);
-    if (q0 > 0) {
-      r->metrics.num_spec_emitted += appended;
-      stats_.num_spec_emitted += appended;
-    }
-    if (out.finished) {
-      scheduler_.finish(r, out.finish_reason);
-      stats_.num_requests_finished += 1;
-    } else {
-      for (int64_t j = 0; j < committed; ++j) {
-        ctx_rows.push_back(static_cast<int32_t>(row0 + j));
-        ctx_positions.push_back(static_cast<int32_t>(q0 + j));
-        ctx_slots.push_back(r->blocks.slot(q0 + j));
+    emit(r, {token}, now, &out);
+    finish_if_done(r, out);
+    if (!out.finished) {
+      for (int64_t j = 0; j < prompt; ++j) {
+        ctx_rows.push_back(batch.query_start[i] + static_cast<int32_t>(j));
+        ctx_positions.push_back(static_cast<int32_t>(j));
+        ctx_slots.push_back(r->blocks.slot(j));
       }
     }
     outputs.push_back(std::move(out));
   }
-
-  stats_.time_accept_s += lap(backend_, &t);
-
-  // 4. Context update: the committed rows' target features into the drafter's KV cache.
   if (!ctx_rows.empty()) {
     const int64_t c = static_cast<int64_t>(ctx_rows.size());
-    Tensor rows = backend_.upload_i32(ctx_rows.data(), {c});
     Tensor taps = backend_.empty({c, fwd.taps.dim(1)}, fwd.taps.dtype);
-    backend_.gather_rows(fwd.taps, rows, taps);
+    backend_.gather_rows(fwd.taps, backend_.upload_i32(ctx_rows.data(), {c}), taps);
     drafter.update_context(taps, ctx_positions, ctx_slots, *spec_.pool);
   }
-  stats_.time_context_s += lap(backend_, &t);
+  return outputs;
+}
+
+std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& running) {
+  const int64_t n = spec_.num_spec_tokens;
+  std::vector<DecodeRow> rows(running.size());
+  std::vector<std::vector<int32_t>> overrides(running.size());
+  for (size_t i = 0; i < running.size(); ++i) {
+    Request* r = running[i];
+    const int64_t q0 = r->num_computed;
+    rows[i].anchor = r->output.back();
+    rows[i].q0 = q0;
+    rows[i].blocks = &r->blocks;
+    rows[i].sample = sample_row_of(*r, q0 + 1);
+    const auto& oracle = r->input.oracle_drafts;
+    if (!oracle.empty()) {  // drafts[j] is generated token number output.size() + j
+      for (int64_t j = 0; j < n; ++j) {
+        const size_t k = r->output.size() + j;
+        overrides[i].push_back(k < oracle.size() ? oracle[k] : oracle.back());
+      }
+      rows[i].override_drafts = overrides[i].data();
+    }
+    r->blocks.truncate(q0);
+    r->blocks.append(n + 1);  // the verify block's K/V (the tail is dropped after acceptance)
+  }
+  // Phase times in eager mode (the backend is synchronised between phases there).
+  Clock::time_point t = Clock::now();
+  double* phase_time[] = {&stats_.time_draft_s, &stats_.time_verify_s, &stats_.time_accept_s,
+                          &stats_.time_context_s};
+  programs_->run(rows, [&](int phase) { *phase_time[phase] += lap(backend_, &t); });
+  stats_.num_forward_tokens += static_cast<int64_t>(running.size()) * (n + 1);
+
+  const int32_t* drafts = programs_->drafts();
+  const int32_t* accepted = programs_->num_accepted();
+  const int32_t* next = programs_->next_token();
+  const Clock::time_point now = Clock::now();
+  std::vector<StepOutput> outputs;
+  for (size_t i = 0; i < running.size(); ++i) {
+    Request* r = running[i];
+    const int64_t a = accepted[i];
+    std::vector<int32_t> emitted(drafts + i * n, drafts + i * n + a);
+    emitted.push_back(next[i]);
+    RequestMetrics& m = r->metrics;
+    m.num_spec_steps += 1;
+    m.num_drafted += n;
+    m.num_accepted += a;
+    stats_.num_spec_steps += 1;
+    stats_.num_drafted += n;
+    stats_.num_accepted += a;
+    for (int64_t j = 0; j < a; ++j) {
+      m.accepted_per_position[j] += 1;
+      stats_.accepted_per_position[j] += 1;
+    }
+    r->num_computed += a + 1;  // the anchor and the accepted drafts
+    r->blocks.truncate(r->num_computed);  // drop the K/V of rejected drafts (O(1))
+    StepOutput out;
+    const int64_t appended = emit(r, emitted, now, &out);
+    m.num_spec_emitted += appended;
+    stats_.num_spec_emitted += appended;
+    finish_if_done(r, out);
+    outputs.push_back(std::move(out));
+  }
   return outputs;
 }
 

@@ -24,6 +24,7 @@ _RUNTIME_KWARGS = {
     "max_num_seqs": "max_num_seqs",
     "max_num_batched_tokens": "max_num_batched_tokens",
     "num_threads": "num_threads",
+    "cuda_graphs": "cuda_graphs",
 }
 
 
@@ -80,7 +81,9 @@ class Session:
         memory).
     kwargs: block_size, max_num_seqs, max_num_batched_tokens, num_threads (CPU),
         gpu_memory_utilization (CUDA: fraction of GPU memory for weights, workspaces and the KV
-        cache, default 0.9). Unknown keywords raise TypeError.
+        cache, default 0.9), cuda_graphs (CUDA: decode steps replay CUDA graphs captured at
+        start-up, one per padded batch size; default True, False runs them eagerly; True on the
+        CPU is a ValueError). Unknown keywords raise TypeError.
     """
 
     def __init__(
@@ -122,6 +125,13 @@ class Session:
             if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
                 raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
             config.gpu_memory_utilization = float(utilization)
+        graphs = kwargs.pop("cuda_graphs", None)
+        if graphs is not None:
+            if not isinstance(graphs, bool):
+                raise ValueError(f"cuda_graphs must be True or False, got {graphs!r}")
+            if graphs and config.device != "cuda":
+                raise ValueError("cuda_graphs=True needs device='cuda' (CUDA graphs do not exist on the CPU)")
+            config.cuda_graphs = graphs
         for name, value in kwargs.items():
             setattr(config, _RUNTIME_KWARGS[name], _positive_int(name, value))
         self.model_dir = model_dir
@@ -343,7 +353,13 @@ class Session:
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> Dict[str, Any]:
-        """Memory and counters: weight/KV bytes, KV blocks (total and free), engine counters."""
+        """Memory and counters: weight/KV bytes, KV blocks (total and free), engine counters.
+
+        cuda_graphs: decode steps replay captured CUDA graphs; graph_steps / eager_steps: decode
+        steps run as graph replays / eagerly (graphs off, or the CPU); eager_forwards: eager
+        ragged forwards (prefills; AR decode rows recording taps). spec_time_s: per-phase times
+        of speculative decode steps, measured only when they run eagerly (the phases of a graph
+        are not timed separately); decode_time_s: wall time of all decode steps."""
         s = self._core.stats()
         e = s.engine
         return {
@@ -371,4 +387,11 @@ class Session:
             "accepted_per_position": list(e.accepted_per_position),
             "spec_time_s": {"draft": e.time_draft_s, "verify": e.time_verify_s,
                             "accept": e.time_accept_s, "context_update": e.time_context_s},
+            "decode_time_s": e.time_decode_s,
+            "cuda_graphs": s.cuda_graphs,
+            "graph_batch_sizes": list(s.graph_batch_sizes),
+            "graph_capture_s": s.graph_capture_s,
+            "graph_steps": e.num_graph_steps,
+            "eager_steps": e.num_eager_decode_steps,
+            "eager_forwards": e.num_eager_forwards,
         }

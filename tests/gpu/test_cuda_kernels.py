@@ -3,7 +3,7 @@
 # Every CUDA kernel of cuda/kernels.h (through dflash._core.testing.cuda_<op>) against a short
 # torch / numpy reference, over odd sizes. bf16 inputs; outputs compared in fp32 with the stated
 # tolerances (bf16 outputs: a few ulps, 2^-8 relative each). Sampling and acceptance: exact
-# agreement with a numpy port of the CPU backend (cpu_sampling.cpp, acceptance.cpp) including
+# agreement with a numpy port of the CPU backend (cpu_sampling.cpp, host_acceptance.cpp) including
 # its Philox streams, plus chi-squared tests of the sampled distributions. Max errors are
 # printed (run with -s). Skipped without a CUDA device or a CUDA build of dflash.
 from __future__ import annotations
@@ -279,8 +279,65 @@ def test_kv_norm_rope_write(tokens, head_dim, nkv, k_norm_on):
     assert not k_pool[untouched].any() and not v_pool[untouched].any()
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 129])
+@pytest.mark.parametrize("layers", [1, 5])
+@pytest.mark.parametrize("head_dim,nkv", [(64, 3), (128, 8)])
+@pytest.mark.parametrize("k_norm_on", [True, False])
+def test_kv_norm_rope_write_layers(tokens, layers, head_dim, nkv, k_norm_on):
+    """The drafter's all-layer context write == the one-layer op applied layer by layer."""
+    K = _ops()
+    num_slots = 256
+    kv = bf16(tokens, layers * 2 * nkv * head_dim, scale=2.0, seed=28)
+    k_norm = bf16(layers, head_dim, scale=0.3, offset=1.0, seed=29) if k_norm_on else None
+    pos = positions_of(tokens, 5 * head_dim)
+    inv = inv_freq_of(head_dim, base=10_000.0)
+    slots = scattered_slots(tokens, num_slots, seed=tokens + 7)
+    k_pool = torch.zeros(layers, num_slots, nkv * head_dim, device=DEV, dtype=torch.bfloat16)
+    v_pool = torch.zeros_like(k_pool)
+    K.cuda_kv_norm_rope_write_layers(kv, k_norm, 1e-6, pos, inv, slots, layers, nkv, head_dim, k_pool, v_pool)
+    per_layer = kv.view(tokens, layers, 2 * nkv * head_dim)
+    for layer in range(layers):
+        want_k = torch.zeros(num_slots, nkv * head_dim, device=DEV, dtype=torch.bfloat16)
+        want_v = torch.zeros_like(want_k)
+        K.cuda_kv_norm_rope_write(per_layer[:, layer].contiguous(), None if k_norm is None else k_norm[layer].contiguous(),
+                                  1e-6, pos, inv, slots, nkv, head_dim, want_k, want_v)
+        assert torch.equal(k_pool[layer], want_k), f"layer {layer}: K differs from the one-layer op"
+        assert torch.equal(v_pool[layer], want_v), f"layer {layer}: V differs from the one-layer op"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("vocab", [1000, 1001, 151936])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_rows(rows, vocab, dtype):
+    K = _ops()
+    g = torch.Generator(device=DEV).manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, device=DEV, generator=g).to(dtype)
+    logits[0, vocab // 3] = 7.0  # a tie at the max: the lowest id wins
+    logits[0, vocab - 1] = 7.0
+    out = torch.empty(rows, device=DEV, dtype=torch.int32)
+    K.cuda_argmax_rows(logits, out)
+    want = logits.float().argmax(dim=1).to(torch.int32)  # torch returns the first maximal index
+    assert torch.equal(out, want)
+    assert int(out[0]) == vocab // 3
+
+
+def test_assemble_drafts():
+    K = _ops()
+    rows, n = 5, 7
+    proposed = torch.arange(rows * n, device=DEV, dtype=torch.int32).view(rows, n)
+    override = 1000 + proposed
+    use = torch.tensor([0, 1, 0, 0, 1], device=DEV, dtype=torch.int32)
+    drafts = torch.full((rows, n), -1, device=DEV, dtype=torch.int32)
+    verify = torch.full((rows, n + 1), -5, device=DEV, dtype=torch.int32)
+    K.cuda_assemble_drafts(proposed, override, use, drafts, verify)
+    want = torch.where(use[:, None].bool(), override, proposed)
+    assert torch.equal(drafts, want)
+    assert torch.equal(verify[:, 1:], want)
+    assert (verify[:, 0] == -5).all()  # the anchors are left alone
+
+
 # --------------------------------------------------------------------------------------------
-# Sampling reference: a numpy port of common/philox.h and of cpu_sampling.cpp / acceptance.cpp
+# Sampling reference: a numpy port of common/philox.h and of cpu_sampling.cpp / host_acceptance.cpp
 
 STREAM_TARGET_SAMPLE, STREAM_ACCEPT = 0, 2
 _M32 = np.uint64(0xFFFFFFFF)
@@ -341,7 +398,7 @@ def ref_sample(logits, temperature, top_k, top_p, seed, position):
 
 
 def ref_accept(drafts, logits, temperature, top_k, top_p, seed, first_position):
-    """acceptance.cpp accept_drafts: (num_accepted, next_token, u_hit_one)."""
+    """host_acceptance.cpp accept_drafts: (num_accepted, next_token, u_hit_one)."""
     n = len(drafts)
     if temperature <= 0:
         for j in range(n + 1):

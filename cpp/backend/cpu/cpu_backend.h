@@ -1,5 +1,5 @@
 // The CPU backend: fp32 reference ops. GEMMs go to OpenBLAS (PyPI scipy-openblas32); the
-// rest are plain loops parallelised with OpenMP. It is the numerical reference for the CUDA
+// rest are plain loops parallelised with an own fork-join pool. It is the numerical reference for the CUDA
 // backend and what CI runs end to end.
 #pragma once
 
@@ -46,6 +46,19 @@ class CpuBackend final : public Backend {
   void gather_rows(const Tensor& x, const Tensor& rows, Tensor& out) override;
   void sample(const Tensor& logits, const std::vector<SampleRow>& rows,
               int32_t* tokens_out) override;
+
+  // Device-side step ops and staging (cpu_device_steps.cpp).
+  void argmax(const Tensor& logits, Tensor& out) override;
+  void sample_rows(const Tensor& logits, const Tensor& params, Tensor& tokens) override;
+  void accept(const Tensor& drafts, const Tensor& logits, const Tensor& params, Tensor& num_accepted,
+              Tensor& next_token) override;
+  void assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,
+                       Tensor& drafts, Tensor& verify_ids) override;
+  void kv_norm_rope_write_layers(const Tensor& kv, const Tensor& k_norm, float eps, const Tensor& positions,
+                                 const Tensor& inv_freq, const Tensor& slots, KVPool& pool) override;
+  std::shared_ptr<void> host_alloc(size_t bytes) override;
+  void copy_to_device(Tensor& dst, const void* host, size_t bytes) override;
+  void copy_to_host(void* host, const Tensor& src, size_t bytes) override;
 
  private:
   // Runs fn over [0, n) items on the pool when n * work_per_item is worth the wake-up.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 
 #include "backend/cuda/cuda_check.h"
@@ -11,6 +12,10 @@
 #include "triton_kernels/triton_attention.h"
 
 namespace dflash {
+
+static_assert(sizeof(cuda::SampleParams) == sizeof(SampleParamsPacked) &&
+                  offsetof(cuda::SampleParams, position) == offsetof(SampleParamsPacked, position),
+              "the packed sampling params must match cuda::SampleParams");
 
 namespace {
 
@@ -249,6 +254,103 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<SampleRow>& row
                                  stream_));
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(tokens_out, tokens.data, n * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
   DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::argmax(const Tensor& logits, Tensor& out) {
+  const int64_t rows = logits.dim(0), vocab = logits.dim(1);
+  if (logits.dtype == DType::kF32) {
+    DFLASH_CUDA_CHECK(cuda::argmax_rows(logits.ptr<float>(), rows, vocab, out.ptr<int32_t>(), stream_));
+  } else {
+    check_bf16(logits, "argmax");
+    DFLASH_CUDA_CHECK(cuda::argmax_rows(bf(logits), rows, vocab, out.ptr<int32_t>(), stream_));
+  }
+}
+
+void CudaBackend::sample_rows(const Tensor& logits, const Tensor& params, Tensor& tokens) {
+  DFLASH_CHECK(logits.dtype == DType::kF32, "sample_rows: logits must be float32");
+  DFLASH_CUDA_CHECK(cuda::sample(logits.ptr<float>(), logits.dim(0), logits.dim(1),
+                                 static_cast<const cuda::SampleParams*>(params.data), tokens.ptr<int32_t>(), stream_));
+}
+
+void CudaBackend::accept(const Tensor& drafts, const Tensor& logits, const Tensor& params, Tensor& num_accepted,
+                         Tensor& next_token) {
+  DFLASH_CHECK(logits.dtype == DType::kF32, "accept: logits must be float32");
+  const int64_t rows = drafts.dim(0), n = drafts.dim(1);
+  DFLASH_CUDA_CHECK(cuda::accept_drafts(drafts.ptr<int32_t>(), logits.ptr<float>(), rows, n, logits.dim(-1),
+                                        static_cast<const cuda::SampleParams*>(params.data),
+                                        num_accepted.ptr<int32_t>(), next_token.ptr<int32_t>(), stream_));
+}
+
+void CudaBackend::assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,
+                                  Tensor& drafts, Tensor& verify_ids) {
+  DFLASH_CUDA_CHECK(cuda::assemble_drafts(proposed.ptr<int32_t>(), override_drafts.ptr<int32_t>(),
+                                          use_override.ptr<int32_t>(), drafts.dim(0), drafts.dim(1),
+                                          drafts.ptr<int32_t>(), verify_ids.ptr<int32_t>(), stream_));
+}
+
+void CudaBackend::kv_norm_rope_write_layers(const Tensor& kv, const Tensor& k_norm, float eps,
+                                            const Tensor& positions, const Tensor& inv_freq, const Tensor& slots,
+                                            KVPool& pool) {
+  const int64_t layer_elems = pool.num_blocks * pool.block_size * pool.num_kv_heads * pool.head_dim;
+  DFLASH_CHECK(kv.numel() == kv.dim(0) * pool.num_layers * 2 * pool.num_kv_heads * pool.head_dim,
+               "kv_norm_rope_write_layers: kv ", shape_str(kv.shape), " does not hold ", pool.num_layers,
+               " layers of K/V");
+  DFLASH_CUDA_CHECK(cuda::kv_norm_rope_write_layers(bf(kv), k_norm.empty() ? nullptr : bf(k_norm), eps,
+                                                    i32(positions), inv_freq.ptr<float>(), i32(slots), kv.dim(0),
+                                                    pool.num_layers, pool.num_kv_heads, pool.head_dim, layer_elems,
+                                                    bf(pool.k), bf(pool.v), stream_));
+}
+
+std::shared_ptr<void> CudaBackend::host_alloc(size_t bytes) {
+  void* p = nullptr;
+  DFLASH_CUDA_CHECK(cudaMallocHost(&p, std::max<size_t>(bytes, 1)));
+  return std::shared_ptr<void>(p, [](void* q) { cudaFreeHost(q); });
+}
+
+void CudaBackend::copy_to_device(Tensor& dst, const void* host, size_t bytes) {
+  DFLASH_CHECK(bytes <= dst.nbytes(), "copy_to_device: ", bytes, " bytes into a tensor of ", dst.nbytes());
+  if (bytes) DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst.data, host, bytes, cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaBackend::copy_to_host(void* host, const Tensor& src, size_t bytes) {
+  DFLASH_CHECK(bytes <= src.nbytes(), "copy_to_host: ", bytes, " bytes from a tensor of ", src.nbytes());
+  if (bytes) DFLASH_CUDA_CHECK(cudaMemcpyAsync(host, src.data, bytes, cudaMemcpyDeviceToHost, stream_));
+}
+
+namespace {
+class CudaGraph final : public CapturedGraph {
+ public:
+  CudaGraph(cudaGraph_t g, cudaGraphExec_t e) : graph_(g), exec_(e) {}
+  ~CudaGraph() override {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+  }
+  cudaGraphExec_t exec() const { return exec_; }
+
+ private:
+  cudaGraph_t graph_;
+  cudaGraphExec_t exec_;
+};
+}  // namespace
+
+void CudaBackend::capture_begin() {
+  DFLASH_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+}
+
+std::unique_ptr<CapturedGraph> CudaBackend::capture_end() {
+  cudaGraph_t graph = nullptr;
+  DFLASH_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+  if (err != cudaSuccess) {
+    cudaGraphDestroy(graph);
+    DFLASH_CUDA_CHECK(err);
+  }
+  return std::make_unique<CudaGraph>(graph, exec);
+}
+
+void CudaBackend::graph_launch(const CapturedGraph& graph) {
+  DFLASH_CUDA_CHECK(cudaGraphLaunch(static_cast<const CudaGraph&>(graph).exec(), stream_));
 }
 
 }  // namespace dflash

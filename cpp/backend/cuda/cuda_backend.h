@@ -58,6 +58,23 @@ class CudaBackend final : public Backend {
   void gather_rows(const Tensor& x, const Tensor& rows, Tensor& out) override;
   void sample(const Tensor& logits, const std::vector<SampleRow>& rows, int32_t* tokens_out) override;
 
+  void argmax(const Tensor& logits, Tensor& out) override;
+  void sample_rows(const Tensor& logits, const Tensor& params, Tensor& tokens) override;
+  void accept(const Tensor& drafts, const Tensor& logits, const Tensor& params, Tensor& num_accepted,
+              Tensor& next_token) override;
+  void assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,
+                       Tensor& drafts, Tensor& verify_ids) override;
+  void kv_norm_rope_write_layers(const Tensor& kv, const Tensor& k_norm, float eps, const Tensor& positions,
+                                 const Tensor& inv_freq, const Tensor& slots, KVPool& pool) override;
+  std::shared_ptr<void> host_alloc(size_t bytes) override;
+  void copy_to_device(Tensor& dst, const void* host, size_t bytes) override;
+  void copy_to_host(void* host, const Tensor& src, size_t bytes) override;
+
+  bool graphs_supported() const override { return true; }
+  void capture_begin() override;
+  std::unique_ptr<CapturedGraph> capture_end() override;
+  void graph_launch(const CapturedGraph& graph) override;
+
  private:
   Tensor persistent(const std::vector<int64_t>& shape, DType dtype);
 

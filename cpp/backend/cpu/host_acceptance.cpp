@@ -1,5 +1,5 @@
-// Greedy and exact-sampling acceptance of draft tokens (see acceptance.h).
-#include "runtime/acceptance.h"
+// Greedy and exact-sampling acceptance of draft tokens on the host (see host_acceptance.h).
+#include "backend/cpu/host_acceptance.h"
 
 #include <algorithm>
 #include <cmath>

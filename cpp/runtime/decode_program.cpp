@@ -1,0 +1,250 @@
+// Decode programs: static buffers, staging, the op sequence and graph capture (see
+// decode_program.h).
+#include "runtime/decode_program.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace dflash {
+
+namespace {
+constexpr int64_t kParamWords = static_cast<int64_t>(sizeof(SampleParamsPacked) / sizeof(int32_t));
+
+int64_t round_even(int64_t words) { return (words + 1) / 2 * 2; }
+}  // namespace
+
+int64_t DecodePrograms::trash_blocks(int64_t rows_per_request, int64_t block_size) {
+  return BlockTable::blocks_for(rows_per_request, block_size);
+}
+
+DecodePrograms::DecodePrograms(Backend& backend, Transformer& target, KVPool& target_pool, DFlashDrafter* drafter,
+                               KVPool* draft_pool, const DecodeProgramConfig& config)
+    : backend_(backend),
+      target_(target),
+      target_pool_(target_pool),
+      drafter_(drafter),
+      draft_pool_(draft_pool),
+      config_(config) {
+  DFLASH_CHECK(config_.max_batch >= 1, "decode programs need max_batch >= 1");
+  DFLASH_CHECK(!config_.graphs || (config_.pad && backend_.graphs_supported()),
+               "CUDA graphs need the CUDA backend (and padded batch sizes)");
+  DFLASH_CHECK((config_.num_spec_tokens > 0) == (drafter_ != nullptr), "speculative programs need a drafter");
+  n_ = config_.num_spec_tokens;
+  q_ = n_ + 1;
+  width_ = BlockTable::blocks_for(config_.max_model_len + q_, config_.block_size);
+  width_ = std::max<int64_t>(width_, trash_blocks(q_, config_.block_size));
+  if (config_.pad) {
+    for (int64_t s : {1, 2, 4, 8}) sizes_.push_back(s);
+    for (int64_t s = 16; s <= 64; s += 8) sizes_.push_back(s);
+    for (int64_t s = 96; s <= 4096; s += 32) sizes_.push_back(s);
+    sizes_.erase(std::remove_if(sizes_.begin(), sizes_.end(), [&](int64_t s) { return s >= config_.max_batch; }),
+                 sizes_.end());
+    sizes_.push_back(config_.max_batch);
+  }
+
+  const int64_t bmax = config_.max_batch, rows = bmax * q_;
+  int64_t w = 0;
+  auto take = [&](int64_t count) {
+    const int64_t at = w;
+    w = round_even(w + count);
+    return at;
+  };
+  in_ids_ = take(rows);
+  in_verify_ids_ = take(rows);
+  in_positions_ = take(rows);
+  in_slots_ = take(rows);
+  in_query_start_ = take(bmax + 1);
+  in_kv_len_ = take(bmax);
+  in_logit_rows_ = take(bmax * n_);
+  in_override_ = take(bmax * n_);
+  in_use_override_ = take(bmax);
+  in_params_ = take(bmax * kParamWords);
+  in_block_table_ = take(bmax * width_);
+  in_words_ = w;
+  in_dev_ = backend_.zeros({in_words_}, DType::kI32);
+  in_host_ = backend_.host_alloc(static_cast<size_t>(in_words_) * 4);
+  std::memset(in_host_.get(), 0, static_cast<size_t>(in_words_) * 4);
+
+  w = 0;
+  out_tokens_ = take(bmax);
+  out_drafts_ = take(bmax * n_);
+  out_accepted_ = take(bmax);
+  out_next_ = take(bmax);
+  out_words_ = w;
+  out_dev_ = backend_.zeros({out_words_}, DType::kI32);
+  out_host_ = backend_.host_alloc(static_cast<size_t>(out_words_) * 4);
+  if (n_ > 0) proposed_ = backend_.zeros({bmax * n_}, DType::kI32);
+}
+
+DecodePrograms::~DecodePrograms() = default;
+
+int64_t DecodePrograms::padded(int64_t rows) const {
+  DFLASH_CHECK(rows >= 1 && rows <= config_.max_batch, "decode step over ", rows, " requests (max ",
+               config_.max_batch, ")");
+  if (!config_.pad) return rows;
+  return *std::lower_bound(sizes_.begin(), sizes_.end(), rows);
+}
+
+Tensor DecodePrograms::field(int64_t offset, int64_t count) const {
+  Tensor t = in_dev_;
+  t.shape = {count};
+  t.data = static_cast<int32_t*>(in_dev_.data) + offset;
+  return t;
+}
+
+Tensor DecodePrograms::out_field(int64_t offset, int64_t count) const {
+  Tensor t = out_dev_;
+  t.shape = {count};
+  t.data = static_cast<int32_t*>(out_dev_.data) + offset;
+  return t;
+}
+
+void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b) {
+  int32_t* h = static_cast<int32_t*>(in_host_.get());
+  const int64_t bs = config_.block_size, q = q_, n = n_;
+  const int32_t mask = drafter_ ? static_cast<int32_t>(drafter_->config().mask_token_id) : 0;
+  for (int64_t r = 0; r < b; ++r) {
+    const bool real = r < static_cast<int64_t>(rows.size());
+    const DecodeRow pad_row{};
+    const DecodeRow& row = real ? rows[r] : pad_row;
+    const int64_t q0 = real ? row.q0 : 0;
+    for (int64_t j = 0; j < q; ++j) {
+      const int64_t i = r * q + j;
+      h[in_ids_ + i] = j == 0 ? row.anchor : mask;
+      h[in_verify_ids_ + i] = j == 0 ? row.anchor : 0;
+      h[in_positions_ + i] = static_cast<int32_t>(q0 + j);
+      h[in_slots_ + i] = real ? row.blocks->slot(q0 + j) : static_cast<int32_t>(config_.trash_block * bs + j);
+    }
+    h[in_query_start_ + r] = static_cast<int32_t>(r * q);
+    h[in_kv_len_ + r] = static_cast<int32_t>(q0 + q);
+    for (int64_t j = 0; j < n; ++j) {
+      h[in_logit_rows_ + r * n + j] = static_cast<int32_t>(r * q + 1 + j);
+      h[in_override_ + r * n + j] = row.override_drafts ? row.override_drafts[j] : 0;
+    }
+    h[in_use_override_ + r] = row.override_drafts ? 1 : 0;
+    SampleRow s = real ? row.sample : SampleRow{};
+    if (!real) s.position = 1;
+    const SampleParamsPacked p = sample_params_pack(s);
+    std::memcpy(h + in_params_ + r * kParamWords, &p, sizeof(p));
+    int32_t* table = h + in_block_table_ + r * width_;
+    if (real) {
+      const std::vector<int32_t>& blocks = row.blocks->blocks();
+      DFLASH_CHECK(static_cast<int64_t>(blocks.size()) <= width_, "a request holds ", blocks.size(),
+                   " KV blocks, more than the decode program's ", width_);
+      std::copy(blocks.begin(), blocks.end(), table);
+      std::fill(table + blocks.size(), table + width_, 0);
+    } else {
+      for (int64_t k = 0; k < width_; ++k) {
+        table[k] = k < trash_blocks(q, bs) ? static_cast<int32_t>(config_.trash_block + k) : 0;
+      }
+    }
+  }
+  h[in_query_start_ + b] = static_cast<int32_t>(b * q);
+  const int64_t words = in_block_table_ + b * width_;
+  backend_.copy_to_device(in_dev_, h, static_cast<size_t>(words) * 4);
+}
+
+void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
+  const int64_t q = q_, n = n_, t = b * q;
+  DeviceBatch d;
+  d.num_tokens = t;
+  d.token_ids = field(in_ids_, t);
+  d.positions = field(in_positions_, t);
+  d.slots = field(in_slots_, t);
+  d.meta.num_seqs = static_cast<int>(b);
+  d.meta.max_blocks_per_seq = static_cast<int>(width_);
+  d.meta.max_query_len = static_cast<int>(q);
+  d.meta.max_kv_len = static_cast<int>(config_.max_model_len + q);
+  d.meta.query_start = field(in_query_start_, b + 1);
+  d.meta.kv_len = field(in_kv_len_, b);
+  d.meta.block_table = field(in_block_table_, b * width_).reshape({b, width_});
+  Tensor params = field(in_params_, b * kParamWords);
+  params.dtype = DType::kU8;
+  params.shape = {b * static_cast<int64_t>(sizeof(SampleParamsPacked))};
+  auto mark = [&](int p) {
+    if (phase) phase(p);
+  };
+
+  if (n == 0) {
+    d.meta.causal = true;
+    d.all_logit_rows = true;
+    ForwardResult fwd = target_.forward(d, target_pool_);
+    Tensor tokens = out_field(out_tokens_, b);
+    backend_.sample_rows(fwd.logits, params, tokens);
+    last_logits_ = fwd.logits;
+    backend_.copy_to_host(out_host_.get(), out_dev_, static_cast<size_t>(out_words_) * 4);
+    return;
+  }
+
+  // Draft: [anchor, MASK x n] per request, non-causal over context + block; greedy tokens.
+  d.meta.causal = false;
+  d.logit_rows = field(in_logit_rows_, b * n);
+  Tensor draft_logits = drafter_->draft(d, *draft_pool_, backend_.compute_dtype());
+  Tensor proposed = proposed_;
+  proposed.shape = {b * n};
+  backend_.argmax(draft_logits, proposed);
+  Tensor drafts = out_field(out_drafts_, b * n).reshape({b, n});
+  Tensor verify_ids = field(in_verify_ids_, t).reshape({b, q});
+  backend_.assemble_drafts(proposed.reshape({b, n}), field(in_override_, b * n).reshape({b, n}),
+                           field(in_use_override_, b), drafts, verify_ids);
+  mark(0);
+  // Verify: [anchor, drafts] causal, every row's logits, taps for the context update.
+  DeviceBatch v = d;
+  v.token_ids = field(in_verify_ids_, t);
+  v.meta.causal = true;
+  v.logit_rows = Tensor();
+  v.all_logit_rows = true;
+  v.want_taps = true;
+  ForwardResult fwd = target_.forward(v, target_pool_);
+  mark(1);
+  Tensor accepted = out_field(out_accepted_, b), next = out_field(out_next_, b);
+  backend_.accept(drafts, fwd.logits, params, accepted, next);
+  backend_.copy_to_host(out_host_.get(), out_dev_, static_cast<size_t>(out_words_) * 4);
+  mark(2);
+  // Context update of all q rows (the rejected ones are overwritten by the next draft block).
+  drafter_->update_context(fwd.taps, d.positions, d.slots, *draft_pool_);
+  mark(3);
+}
+
+void DecodePrograms::capture() {
+  if (!config_.graphs) return;
+  graphs_.clear();
+  graph_logits_.clear();
+  for (int64_t s : sizes_) {
+    stage({}, s);  // every row padding: the warm-up run writes the trash blocks only
+    backend_.begin_step();
+    issue(s, nullptr);
+    backend_.synchronize();
+    backend_.begin_step();
+    backend_.capture_begin();
+    try {
+      issue(s, nullptr);
+    } catch (...) {
+      try {
+        backend_.capture_end();
+      } catch (...) {
+      }
+      throw;
+    }
+    graphs_.push_back(backend_.capture_end());
+    graph_logits_.push_back(last_logits_);
+  }
+  backend_.synchronize();
+}
+
+void DecodePrograms::run(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase) {
+  const int64_t b = padded(static_cast<int64_t>(rows.size()));
+  stage(rows, b);
+  backend_.begin_step();
+  if (config_.graphs) {
+    const size_t idx = static_cast<size_t>(std::lower_bound(sizes_.begin(), sizes_.end(), b) - sizes_.begin());
+    DFLASH_CHECK(idx < graphs_.size(), "no captured graph for batch size ", b);
+    backend_.graph_launch(*graphs_[idx]);
+    last_logits_ = graph_logits_[idx];
+  } else {
+    issue(b, phase);
+  }
+  backend_.synchronize();
+}
+
+}  // namespace dflash

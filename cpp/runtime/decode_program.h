@@ -1,0 +1,107 @@
+// Decode programs: the fixed-shape part of a step over requests that are all past their
+// prefill. AR: one target forward over one token per request + sampling. Speculative: draft
+// forward over [anchor, MASK x n] + argmax → verify forward over [anchor, drafts] with taps →
+// acceptance → drafter context update of all n + 1 rows (rows past the accepted ones are
+// overwritten by the next draft block before anything reads them). Inputs come from static
+// buffers (one host→device copy per step), outputs go to host memory by one device→host copy,
+// so a step needs one synchronisation. On CUDA the rows are padded to a few batch sizes and each
+// size is captured into a graph at start-up and replayed; padding rows write a reserved "trash"
+// block of the KV pools, outside the allocator's range.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "kv_cache/block_allocator.h"
+#include "model/dflash_drafter.h"
+#include "model/transformer.h"
+
+namespace dflash {
+
+// One request of a decode step.
+struct DecodeRow {
+  int32_t anchor = 0;        // the last token (fed to the target; the draft block's anchor)
+  int64_t q0 = 0;            // its position (= tokens already in the KV cache)
+  const BlockTable* blocks = nullptr;
+  SampleRow sample;          // position: the first token sampled / drafted (q0 + 1)
+  const int32_t* override_drafts = nullptr;  // [n] test hook: drafts to verify instead of the drafter's
+};
+
+struct DecodeProgramConfig {
+  int64_t max_batch = 1;       // requests per step (max_num_seqs)
+  int64_t max_model_len = 1;   // attention spans up to this
+  int64_t block_size = 16;
+  int64_t num_spec_tokens = 0;  // 0: AR programs
+  int32_t trash_block = 0;     // first reserved block id (num_blocks_for(rows per request) of them)
+  bool pad = false;            // pad rows to the graph sizes (CUDA)
+  bool graphs = false;         // capture and replay graphs (needs pad)
+};
+
+class DecodePrograms {
+ public:
+  DecodePrograms(Backend& backend, Transformer& target, KVPool& target_pool, DFlashDrafter* drafter,
+                 KVPool* draft_pool, const DecodeProgramConfig& config);
+  ~DecodePrograms();
+
+  // Captures one graph per padded batch size (CUDA graphs on), running each once first.
+  void capture();
+  bool graphs() const { return config_.graphs; }
+  // The padded batch sizes (graph sizes) and the one used for `rows` requests.
+  const std::vector<int64_t>& sizes() const { return sizes_; }
+  int64_t padded(int64_t rows) const;
+  // Reserved trash blocks needed for rows of `rows_per_request` tokens.
+  static int64_t trash_blocks(int64_t rows_per_request, int64_t block_size);
+
+  // Runs one step over `rows` (1 <= size <= max_batch); returns when its outputs are on the host.
+  // phase (eager only, may be null) is called between the speculative phases with their index
+  // 0 draft, 1 verify, 2 accept, 3 context update (for timing).
+  void run(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase = nullptr);
+  // Outputs of the last run (host memory, valid until the next run). AR: tokens[R].
+  // Speculative: drafts[R * n], num_accepted[R], next_token[R].
+  const int32_t* tokens() const { return out_host_i32() + out_tokens_; }
+  const int32_t* drafts() const { return out_host_i32() + out_drafts_; }
+  const int32_t* num_accepted() const { return out_host_i32() + out_accepted_; }
+  const int32_t* next_token() const { return out_host_i32() + out_next_; }
+  // AR: the logits [padded rows, V] (fp32) of the last run, on the backend (valid until the next
+  // step); for recordings.
+  const Tensor& last_logits() const { return last_logits_; }
+
+ private:
+  struct Graph;
+  // Issues the program's ops for `b` padded rows (eager, or being captured).
+  void issue(int64_t b, const std::function<void(int)>& phase);
+  void stage(const std::vector<DecodeRow>& rows, int64_t b);
+  const int32_t* out_host_i32() const { return static_cast<const int32_t*>(out_host_.get()); }
+  Tensor field(int64_t offset, int64_t count) const;
+  Tensor out_field(int64_t offset, int64_t count) const;
+
+  Backend& backend_;
+  Transformer& target_;
+  KVPool& target_pool_;
+  DFlashDrafter* drafter_;
+  KVPool* draft_pool_;
+  DecodeProgramConfig config_;
+  int64_t q_ = 1;      // rows per request: 1 (AR) or n + 1
+  int64_t n_ = 0;      // drafts per request
+  int64_t width_ = 0;  // block-table width
+  std::vector<int64_t> sizes_;
+  std::vector<std::unique_ptr<CapturedGraph>> graphs_;  // per entry of sizes_
+  std::vector<Tensor> graph_logits_;                    // AR logits tensor of each graph
+
+  // Static inputs (int32 words; one device buffer, one pinned host staging buffer).
+  int64_t in_ids_ = 0, in_verify_ids_ = 0, in_positions_ = 0, in_slots_ = 0, in_query_start_ = 0,
+          in_kv_len_ = 0, in_logit_rows_ = 0, in_override_ = 0, in_use_override_ = 0, in_params_ = 0,
+          in_block_table_ = 0, in_words_ = 0;
+  Tensor in_dev_;
+  std::shared_ptr<void> in_host_;
+  // Device scratch of the speculative program and the outputs.
+  Tensor proposed_;
+  int64_t out_tokens_ = 0, out_drafts_ = 0, out_accepted_ = 0, out_next_ = 0, out_words_ = 0;
+  Tensor out_dev_;
+  std::shared_ptr<void> out_host_;
+  Tensor last_logits_;
+};
+
+}  // namespace dflash
