@@ -112,6 +112,15 @@ def test_stats(sess):
     assert st["eager_steps"] >= 2 and st["eager_forwards"] >= 1
 
 
+def test_ignore_eos_runs_to_max_tokens(sess):
+    eos = sess.model_config.eos_token_ids
+    out = sess.generate(["hello"], dflash.SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=[]))[0]
+    assert len(out.token_ids) == 9 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="ignore_eos must be True or False"):
+        dflash.SamplingParams(ignore_eos="yes")
+    assert eos is not None
+
+
 def test_gil_is_released_during_generation(tiny_model_dirs):
     s = dflash.Session(tiny_model_dirs["llama_gqa"], device="cpu", num_threads=1)
     ticks = 0

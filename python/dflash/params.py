@@ -20,6 +20,8 @@ class SamplingParams:
         None draws a fresh random seed.
     stop: a string or list of strings that end generation; the text stops before them.
     stop_token_ids: token ids that end generation (in addition to the model's EOS ids).
+    ignore_eos: keep generating past the model's EOS ids (benchmarks; stop / stop_token_ids
+        still apply).
     """
 
     max_tokens: int = 256
@@ -29,6 +31,7 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: Optional[Union[str, Sequence[str]]] = None
     stop_token_ids: Optional[Sequence[int]] = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, numbers.Integral):
@@ -54,6 +57,8 @@ class SamplingParams:
                 raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
             if not (0 <= self.seed < 2**64):
                 raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:

@@ -191,6 +191,7 @@ class Session:
         s.top_k = min(int(p.top_k), vocab)
         s.seed = p.seed if p.seed is not None else secrets.randbits(63)
         s.stop_token_ids = list(p.stop_token_ids or [])
+        s.ignore_eos = p.ignore_eos
         return s
 
     # ------------------------------------------------------------------ generation

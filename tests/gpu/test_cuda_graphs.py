@@ -88,7 +88,7 @@ def test_dflash_graph_full_acceptance_matches_ar(tiny_model_dirs, tmp_path):
     ar = dflash.Session(target, device="cuda", **KV)
     spec = dflash.Session(target, draft=dr, device="cuda", **KV)
     prompts = _prompts(3, seed=7)
-    want = _tokens(ar, prompts, [dflash.SamplingParams(max_tokens=40, ignore_eos=True)] * 3)
+    want = _tokens(ar, prompts, [dflash.SamplingParams(max_tokens=40, ignore_eos=True) for _ in prompts])
     ids = []
     for p, w in zip(prompts, want):
         req = _core.RequestInput()

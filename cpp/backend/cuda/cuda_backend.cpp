@@ -44,6 +44,7 @@ CudaBackend::CudaBackend(int device, size_t scratch_bytes) : device_(device), sc
   DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   DFLASH_CUDA_CHECK(cudaMalloc(&scratch_, scratch_bytes_));
   DFLASH_CUDA_CHECK(cudaMalloc(&gemm_workspace_, gemm_workspace_bytes_));
+  DFLASH_CUDA_CHECK(cudaMalloc(&attention_workspace_, attention_workspace_bytes_));
   gemm_ = std::make_unique<CublasLtGemm>(gemm_workspace_, gemm_workspace_bytes_);
   triton_ = std::make_unique<triton_aot::Modules>();  // every Triton module, loaded once
 }
@@ -53,6 +54,7 @@ CudaBackend::~CudaBackend() {
   gemm_.reset();
   if (stream_) cudaStreamSynchronize(stream_);
   if (gemm_workspace_) cudaFree(gemm_workspace_);
+  if (attention_workspace_) cudaFree(attention_workspace_);
   if (scratch_) cudaFree(scratch_);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -216,12 +218,11 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
   a.causal = meta.causal;
   a.window = static_cast<int32_t>(meta.window);
   a.scale = 1.0f / std::sqrt(static_cast<float>(pool.head_dim));
-  // Split-KV workspace for long contexts: taken from the scratch arena.
-  const size_t ws = triton_aot::paged_attention_workspace_bytes(a.num_tokens, a.num_heads, a.head_dim, 16);
-  if (scratch_used_ + ws <= scratch_bytes_ && meta.max_kv_len >= 2048) {
-    Tensor w = empty({static_cast<int64_t>(ws)}, DType::kU8);
-    a.workspace = w.data;
-    a.workspace_bytes = ws;
+  // Split-KV for long contexts: one persistent workspace, reused by every call (the calls run
+  // in order on one stream); the number of splits adapts to what fits in it.
+  if (meta.max_kv_len >= 2048) {
+    a.workspace = attention_workspace_;
+    a.workspace_bytes = attention_workspace_bytes_;
   }
   CUresult r = triton_aot::paged_attention(*triton_, stream_, a);
   DFLASH_CHECK(r == CUDA_SUCCESS, "Triton paged attention failed (CUresult ", static_cast<int>(r), ")");

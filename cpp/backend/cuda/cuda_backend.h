@@ -32,7 +32,9 @@ class CudaBackend final : public Backend {
   int num_threads() const override { return 1; }
   void begin_step() override { scratch_used_ = 0; }
   bool device_memory(size_t* free_bytes, size_t* total_bytes) const override;
-  size_t workspace_bytes() const override { return scratch_bytes_ + gemm_workspace_bytes_; }
+  size_t workspace_bytes() const override {
+    return scratch_bytes_ + gemm_workspace_bytes_ + attention_workspace_bytes_;
+  }
 
   Tensor empty(const std::vector<int64_t>& shape, DType dtype) override;
   Tensor zeros(const std::vector<int64_t>& shape, DType dtype) override;
@@ -83,6 +85,8 @@ class CudaBackend final : public Backend {
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   size_t scratch_used_ = 0;
+  void* attention_workspace_ = nullptr;  // split-KV partials, reused by every attention call
+  size_t attention_workspace_bytes_ = 64u << 20;
   void* gemm_workspace_ = nullptr;
   size_t gemm_workspace_bytes_ = 32u << 20;
   std::unique_ptr<CublasLtGemm> gemm_;
