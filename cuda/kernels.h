@@ -53,6 +53,23 @@ cudaError_t gather_rows(const void* x, const int32_t* rows, int64_t num_rows, in
 cudaError_t copy_columns(const __nv_bfloat16* src, int64_t rows, int64_t cols, __nv_bfloat16* dst,
                          int64_t dst_width, int64_t col, cudaStream_t stream);
 
+// Skinny GEMM (decode / speculative verify): out[M, N] = x[M, K] @ w[N, K]^T, bf16 x and w, fp32
+// accumulation, out bf16, or fp32 when out_f32. Needs 1 <= M <= kSkinnyGemmMaxRows, K % 8 == 0,
+// x and w 16-byte aligned (skinny_gemm_supports); any N. Returns cudaErrorInvalidValue otherwise
+// (M == 0 or N == 0: nothing to do, cudaSuccess). Deterministic: the same bits on every run.
+constexpr int64_t kSkinnyGemmMaxRows = 32;
+bool skinny_gemm_supports(const void* x, const void* w, int64_t m, int64_t k);
+// The kernel's shape, for benchmarks (0: the launcher's choice): warps per CTA (1..16, they
+// split K), row tiles of 16 w rows per warp (1 or 2), chunks of 32 k per warp per step (4, or 8
+// with M <= 16). Combinations that are not built return cudaErrorInvalidValue.
+struct SkinnyGemmConfig {
+  int warps = 0;
+  int row_tiles = 0;
+  int unroll = 0;
+};
+cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t m, int64_t n, int64_t k,
+                        bool out_f32, void* out, cudaStream_t stream, const SkinnyGemmConfig* config = nullptr);
+
 // fp32 <-> bf16 element conversion
 cudaError_t bf16_to_f32(const __nv_bfloat16* x, int64_t n, float* out, cudaStream_t stream);
 cudaError_t f32_to_bf16(const float* x, int64_t n, __nv_bfloat16* out, cudaStream_t stream);

@@ -1,7 +1,9 @@
 // Test-only bindings of the CUDA kernels of cuda/kernels.h, added to dflash._core.testing as
 // cuda_<op>. They take torch CUDA tensors (contiguous; outputs are passed in, nothing is
-// allocated here except the SampleParams array of sample / accept_drafts), launch on the
-// default stream, synchronise, and turn a CUDA error into dflash::Error.
+// allocated here except the SampleParams array of sample / accept_drafts and the cuBLASLt
+// workspace of cublaslt_gemm), launch on the default stream, synchronise, and turn a CUDA error
+// into dflash::Error. The GEMMs (skinny_gemm, cublaslt_gemm) may instead launch on a given
+// stream without synchronising, for benchmarks and CUDA-graph capture.
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -12,6 +14,7 @@
 #include <optional>
 #include <vector>
 
+#include "backend/cuda/cublaslt_gemm.h"
 #include "common/error.h"
 #include "cuda/kernels.h"
 
@@ -287,6 +290,63 @@ void cuda_accept_drafts(const I32& drafts, const F32& logits, const std::vector<
                              nullptr));
 }
 
+// x [M, K] bf16, w [N, K] bf16, out [M, N] bf16 or fp32. Returns out_f32.
+bool check_gemm(const Any& x, const Any& w, const Any& out, const char* op) {
+  DFLASH_ARG_CHECK(x.ndim() == 2 && w.ndim() == 2 && out.ndim() == 2 && x.shape(1) == w.shape(1) &&
+                       out.shape(0) == x.shape(0) && out.shape(1) == w.shape(0),
+                   op, ": x [M, K], w [N, K], out [M, N]");
+  const bool f32 = out.dtype() == nb::dtype<float>();
+  DFLASH_ARG_CHECK(f32 || (out.dtype().code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) &&
+                           out.dtype().bits == 16),
+                   op, ": out must be bfloat16 or float32");
+  return f32;
+}
+
+// stream: a cudaStream_t as an integer (torch.cuda.current_stream().cuda_stream): launch there and
+// return; None: launch on the default stream and synchronise.
+void launched(const char* op, cudaError_t e, const std::optional<uintptr_t>& stream) {
+  if (stream) {
+    DFLASH_CHECK(e == cudaSuccess, op, ": launch failed: ", cudaGetErrorString(e));
+  } else {
+    finish(op, e);
+  }
+}
+
+void cuda_skinny_gemm(const Any& x, const Any& w, const Any& out, std::optional<uintptr_t> stream, int warps,
+                      int row_tiles, int unroll) {
+  const bool f32 = check_gemm(x, w, out, "skinny_gemm");
+  use_device(x.device_id());
+  cuda::SkinnyGemmConfig config;
+  config.warps = warps;
+  config.row_tiles = row_tiles;
+  config.unroll = unroll;
+  const cudaStream_t s = stream ? reinterpret_cast<cudaStream_t>(*stream) : nullptr;
+  launched("skinny_gemm",
+           cuda::skinny_gemm(bf16_ptr(x, "x"), bf16_ptr(w, "w"), x.shape(0), w.shape(0), x.shape(1), f32,
+                             out.data(), s, &config),
+           stream);
+}
+
+// The CUDA backend's cuBLASLt path (one handle and a 32 MiB workspace for the process, kept
+// until exit), as the reference of the skinny GEMM benchmarks.
+void cuda_cublaslt_gemm(const Any& x, const Any& w, const Any& out, std::optional<uintptr_t> stream) {
+  const bool f32 = check_gemm(x, w, out, "cublaslt_gemm");
+  bf16_ptr(x, "x");
+  bf16_ptr(w, "w");
+  use_device(x.device_id());
+  static CublasLtGemm* gemm = nullptr;
+  if (gemm == nullptr) {
+    constexpr size_t kWorkspace = 32u << 20;
+    void* ws = nullptr;
+    const cudaError_t e = cudaMalloc(&ws, kWorkspace);
+    DFLASH_CHECK(e == cudaSuccess, "cudaMalloc: ", cudaGetErrorString(e));
+    gemm = new CublasLtGemm(ws, kWorkspace);  // never freed: test-only, lives until exit
+  }
+  const cudaStream_t s = stream ? reinterpret_cast<cudaStream_t>(*stream) : nullptr;
+  gemm->linear(x.data(), w.data(), out.data(), x.shape(0), w.shape(0), x.shape(1), f32, s);
+  launched("cublaslt_gemm", cudaGetLastError(), stream);
+}
+
 }  // namespace
 }  // namespace dflash
 
@@ -316,6 +376,9 @@ void bind_cuda_testing(nb::module_& m) {
   m.def("cuda_copy_columns", &cuda_copy_columns, "src"_a, "dst"_a, "col"_a);
   m.def("cuda_sample", &cuda_sample, "logits"_a, "temperature"_a, "top_k"_a, "top_p"_a, "seed"_a,
         "position"_a, "tokens"_a);
+  m.def("cuda_skinny_gemm", &cuda_skinny_gemm, "x"_a, "w"_a, "out"_a, "stream"_a.none() = nb::none(),
+        "warps"_a = 0, "row_tiles"_a = 0, "unroll"_a = 0);
+  m.def("cuda_cublaslt_gemm", &cuda_cublaslt_gemm, "x"_a, "w"_a, "out"_a, "stream"_a.none() = nb::none());
   m.def("cuda_accept_drafts", &cuda_accept_drafts, "drafts"_a, "logits"_a, "temperature"_a,
         "top_k"_a, "top_p"_a, "seed"_a, "position"_a, "num_accepted"_a, "next_token"_a);
 }

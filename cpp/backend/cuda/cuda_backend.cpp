@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "backend/cuda/cuda_check.h"
 #include "cuda/kernels.h"
@@ -26,9 +28,20 @@ void check_bf16(const Tensor& t, const char* what) {
   DFLASH_CHECK(t.dtype == DType::kBF16 && t.device == DeviceKind::kCUDA, what, ": expected a bf16 CUDA tensor");
 }
 
+// DFLASH_GEMM: "cublaslt" sends every linear layer to cuBLASLt; unset or "auto" uses the
+// skinny GEMM kernel for inputs of up to kSkinnyGemmRows rows.
+bool skinny_gemm_from_env() {
+  const char* v = std::getenv("DFLASH_GEMM");
+  const std::string s = v ? v : "";
+  DFLASH_ARG_CHECK(s.empty() || s == "auto" || s == "cublaslt", "DFLASH_GEMM=", s,
+                   " is not one of auto, cublaslt");
+  return s != "cublaslt";
+}
+
 }  // namespace
 
 CudaBackend::CudaBackend(int device, size_t scratch_bytes) : device_(device), scratch_bytes_(scratch_bytes) {
+  skinny_gemm_ = skinny_gemm_from_env();  // first: it may throw, before anything is allocated
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
@@ -165,6 +178,10 @@ void CudaBackend::linear(const Tensor& x, const Tensor& w, Tensor& out) {
   const int64_t n = w.dim(0), k = w.dim(1), m = x.numel() / k;
   DFLASH_CHECK(x.numel() == m * k && out.numel() == m * n, "linear: shape mismatch x ", shape_str(x.shape), " w ",
                shape_str(w.shape), " out ", shape_str(out.shape));
+  if (skinny_gemm_ && m <= kSkinnyGemmRows && cuda::skinny_gemm_supports(x.data, w.data, m, k)) {
+    DFLASH_CUDA_CHECK(cuda::skinny_gemm(bf(x), bf(w), m, n, k, out.dtype == DType::kF32, out.data, stream_));
+    return;
+  }
   gemm_->linear(x.data, w.data, out.data, m, n, k, out.dtype == DType::kF32, stream_);
 }
 

@@ -90,6 +90,10 @@ class CudaBackend final : public Backend {
   void* gemm_workspace_ = nullptr;
   size_t gemm_workspace_bytes_ = 32u << 20;
   std::unique_ptr<CublasLtGemm> gemm_;
+  // linear() runs the skinny GEMM kernel (cuda/skinny_gemm.cu) for x of up to kSkinnyGemmRows
+  // rows, cuBLASLt otherwise; false (DFLASH_GEMM=cublaslt, read at construction): always cuBLASLt.
+  static constexpr int64_t kSkinnyGemmRows = 16;
+  bool skinny_gemm_ = true;
   std::unique_ptr<triton_aot::Modules> triton_;
 };
 

@@ -1,0 +1,251 @@
+// Skinny GEMM for small-batch decode and speculative verify: out[M, N] = x[M, K] @ w[N, K]^T,
+// bf16 x and w, fp32 accumulation, bf16 or fp32 out, 1 <= M <= 32. The weight stream is the
+// whole cost, so the kernel is shaped to read w at HBM speed; the FLOPs run on tensor cores
+// (mma.sync m16n8k16), where they are free, so one kernel serves every M up to 32.
+//
+// Tiling. A CTA owns 16 R rows of w (R row tiles of 16) and all of K; its W warps split K
+// (chunks of 32 k, U consecutive chunks per warp per step, W U chunks per CTA per step).
+// A warp computes out^T[16 R rows, 8 NT] = w_tile · x^T with w as the mma A operand (m16) and
+// x^T as the B operand (n8; NT = 1, 2 or 4 column tiles: M <= 8, 16, 32). Lane (g, t) = (lane / 4,
+// lane % 4) loads 16 bytes (8 k) of w rows g and g + 8 and of x row g, k = chunk * 32 + t * 8,
+// with one 128-bit load each: a dot product may visit k in any order, so the 8 k of a load are
+// given to the mma fragments as logical k {2t, 2t+1, 2t+8, 2t+9} of two k16 steps. The w loads
+// bypass L1 (x, read by every CTA, stays there). All loads of a step are issued before its
+// mmas: 2 R U loads of 16 bytes of w per thread in flight (U = 8, R = 1: 256 bytes, 8 KB a warp).
+//
+// Launch: ceil(N / 16 R) CTAs. Defaults: R = 1; U = 8 (M <= 8), 4 (M <= 16), 2 (M <= 32);
+// W = 8, or 16 when there are no more CTAs than SMs (small N: a deeper split of K). Every built
+// shape fits 128 registers without spills, so two 8-warp CTAs share an SM; with 128 KB of w in
+// flight per SM at U = 8 (33 KB would sustain 4.4 TB/s at 1 us latency), HBM latency is covered.
+//
+// Reduction: each warp's accumulators go to shared memory and are summed over the warps in a
+// fixed order, so results are deterministic (the same bits on every run). Tails: rows past N
+// read row N - 1 and are not written; x rows past M read row M - 1 (their columns are dropped);
+// the k tail (K % 32) is zero-filled by predicated loads in the last step only.
+#include "cuda/common.cuh"
+#include "cuda/kernels.h"
+
+namespace dflash {
+namespace cuda {
+
+namespace {
+
+constexpr int kChunk = 32;  // k per warp chunk: 4 lanes x 8 bf16 of one row
+
+// 16 bytes of w: read once, so not cached in L1 (keeps L1 for x).
+__device__ __forceinline__ uint4 load_w(const __nv_bfloat16* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// 16 bytes of x: read by every CTA, cached in L1.
+__device__ __forceinline__ uint4 load_x(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// c[16 x 8] += a[16 x 16] (row) * b[16 x 8] (col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Shared-memory reduction buffer: [W][8 NT][16 R + 4] fp32 (the +4 spreads the fragment
+// stores over the banks).
+constexpr int red_stride(int row_tiles) { return 16 * row_tiles + 4; }
+constexpr size_t red_bytes(int nt, int row_tiles) { return sizeof(float) * 8 * nt * red_stride(row_tiles); }
+
+// x [M, K], w [N, K], out [M, N] (bf16, or fp32 when F32). Block: W warps (blockDim.x = 32 W);
+// grid.x = ceil(N / (16 R)); dynamic shared memory W * red_bytes(NT, R).
+template <int NT, int R, int U, bool F32>
+__global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* __restrict__ x,
+                                                          const __nv_bfloat16* __restrict__ w, int M, int N, int K,
+                                                          void* __restrict__ out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * (16 * R);
+
+  const __nv_bfloat16* wp[R][2];
+#pragma unroll
+  for (int rt = 0; rt < R; ++rt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = min(row0 + rt * 16 + h * 8 + g, N - 1);
+      wp[rt][h] = w + static_cast<int64_t>(r) * K + t * 8;
+    }
+  }
+  const __nv_bfloat16* xp[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) xp[j] = x + static_cast<int64_t>(min(8 * j + g, M - 1)) * K + t * 8;
+
+  // A independent accumulator sets (chunk u feeds set u % A) keep the chain of dependent mmas
+  // of a step short; they are added in a fixed order at the end.
+  constexpr int A = (R * NT >= 4 || U < 2) ? 1 : (U >= 8 ? 2 : 4 / (R * NT));
+  float acc[A][R][NT][4];
+#pragma unroll
+  for (int q = 0; q < A; ++q)
+#pragma unroll
+    for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[q][rt][j][e] = 0.0f;
+
+  const int num_chunks = (K + kChunk - 1) / kChunk, full_chunks = K / kChunk;
+  for (int c0 = warp * U; c0 < num_chunks; c0 += num_warps * U) {
+    uint4 a[U][R][2], b[U][NT];
+    if (c0 + U <= full_chunks) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) a[u][rt][h] = load_w(wp[rt][h] + (c0 + u) * kChunk);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) b[u][j] = load_x(xp[j] + (c0 + u) * kChunk);
+    } else {  // the k tail: pieces at k >= K read as zeros (both operands: no 0 * NaN)
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const bool ok = (c0 + u) * kChunk + t * 8 < K;
+#pragma unroll
+        for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) a[u][rt][h] = ok ? load_w(wp[rt][h] + (c0 + u) * kChunk) : zero;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) b[u][j] = ok ? load_x(xp[j] + (c0 + u) * kChunk) : zero;
+      }
+    }
+    // Words 2s, 2s + 1 of a load (k + 4s + {0, 1} and k + 4s + {2, 3}) are logical k {2t, 2t+1}
+    // and {2t+8, 2t+9} of k16 step s, for the A rows g (h = 0), g + 8 (h = 1) and the B column g.
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+            mma_bf16(acc[u % A][rt][j], word(a[u][rt][0], 2 * s), word(a[u][rt][1], 2 * s), word(a[u][rt][0], 2 * s + 1),
+                     word(a[u][rt][1], 2 * s + 1), word(b[u][j], 2 * s), word(b[u][j], 2 * s + 1));
+  }
+
+  // Accumulator fragment: c0, c1 = (row g, columns 2t, 2t+1), c2, c3 = (row g + 8, same columns),
+  // row = w row in the tile, column = x row in the column tile.
+  extern __shared__ float red[];
+  constexpr int S = red_stride(R), MP = 8 * NT, RT = 16 * R;
+  float* mine = red + warp * MP * S;
+#pragma unroll
+  for (int rt = 0; rt < R; ++rt) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      float c[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        c[e] = acc[0][rt][j][e];
+#pragma unroll
+        for (int q = 1; q < A; ++q) c[e] += acc[q][rt][j][e];
+      }
+      const int m = 8 * j + 2 * t, n = rt * 16 + g;
+      mine[m * S + n] = c[0];
+      mine[(m + 1) * S + n] = c[1];
+      mine[m * S + n + 8] = c[2];
+      mine[(m + 1) * S + n + 8] = c[3];
+    }
+  }
+  __syncthreads();
+  const int rows = min(RT, N - row0);
+  for (int i = threadIdx.x; i < M * RT; i += blockDim.x) {
+    const int m = i / RT, n = i % RT;
+    if (n >= rows) continue;
+    float sum = 0.0f;
+    for (int v = 0; v < num_warps; ++v) sum += red[(v * MP + m) * S + n];
+    const int64_t o = static_cast<int64_t>(m) * N + row0 + n;
+    if constexpr (F32) {
+      static_cast<float*>(out)[o] = sum;
+    } else {
+      static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16_rn(sum);
+    }
+  }
+}
+
+// The kernel for (NT, R, U) with the output type chosen at run time; null when not built.
+using KernelFn = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, int, int, int, void*);
+
+template <int NT, int R, int U>
+KernelFn pick_out(bool out_f32) {
+  return out_f32 ? skinny_gemm_kernel<NT, R, U, true> : skinny_gemm_kernel<NT, R, U, false>;
+}
+
+// The built (R, U) shapes per NT (each within 128 registers without spills, so that two CTAs of
+// 8 warps fit on an SM), the first one being the default.
+template <int NT>
+KernelFn pick_shape(int row_tiles, int unroll, bool out_f32) {
+  if constexpr (NT == 1) {
+    if (row_tiles == 1 && unroll == 8) return pick_out<1, 1, 8>(out_f32);
+    if (row_tiles == 1 && unroll == 4) return pick_out<1, 1, 4>(out_f32);
+    if (row_tiles == 2 && unroll == 4) return pick_out<1, 2, 4>(out_f32);
+  } else if constexpr (NT == 2) {
+    if (row_tiles == 1 && unroll == 4) return pick_out<2, 1, 4>(out_f32);
+    if (row_tiles == 2 && unroll == 2) return pick_out<2, 2, 2>(out_f32);
+  } else {
+    if (row_tiles == 1 && unroll == 2) return pick_out<4, 1, 2>(out_f32);
+    if (row_tiles == 2 && unroll == 2) return pick_out<4, 2, 2>(out_f32);
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+bool skinny_gemm_supports(const void* x, const void* w, int64_t m, int64_t k) {
+  return x != nullptr && w != nullptr && m >= 1 && m <= kSkinnyGemmMaxRows && k > 0 && k % 8 == 0 &&
+         k <= (int64_t{1} << 30) && detail::aligned16(x) && detail::aligned16(w);
+}
+
+cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t m, int64_t n, int64_t k,
+                        bool out_f32, void* out, cudaStream_t stream, const SkinnyGemmConfig* config) {
+  if (m == 0 || n == 0) return cudaSuccess;
+  if (!skinny_gemm_supports(x, w, m, k) || n < 0 || n > (int64_t{1} << 30) || out == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const int nt = m <= 8 ? 1 : m <= 16 ? 2 : 4;
+  int row_tiles = 1, unroll = nt == 1 ? 8 : nt == 2 ? 4 : 2, warps = 0;
+  if (config != nullptr) {
+    if (config->row_tiles) row_tiles = config->row_tiles;
+    if (config->unroll) unroll = config->unroll;
+    warps = config->warps;
+  }
+  KernelFn kernel = nt == 1   ? pick_shape<1>(row_tiles, unroll, out_f32)
+                    : nt == 2 ? pick_shape<2>(row_tiles, unroll, out_f32)
+                              : pick_shape<4>(row_tiles, unroll, out_f32);
+  if (kernel == nullptr || warps < 0 || warps > 16) return cudaErrorInvalidValue;
+  const int64_t blocks = (n + 16 * row_tiles - 1) / (16 * row_tiles);
+  if (warps == 0) {
+    // All CTAs resident at once where possible: two CTAs of 8 warps per SM, or one of 16 warps
+    // (a deeper split of K) when there are no more tiles than SMs.
+    int device = 0, sms = 132;
+    if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    warps = blocks <= sms ? 16 : 8;
+  }
+  const size_t smem = warps * red_bytes(nt, row_tiles);
+  if (smem > 48 * 1024) {  // only the largest tuning shapes (16 warps, M > 16, 2 row tiles)
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, stream>>>(
+      x, w, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), out);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace dflash
