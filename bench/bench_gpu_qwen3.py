@@ -25,6 +25,7 @@ Sections (--sections, default all; the JSON is rewritten after every section and
               + LM head; "reference DFlash step" = transformers verify + this drafter step.
   compile     transformers static cache + torch.compile(mode="reduce-overhead") generate, under a
               time limit; the failure text is recorded if it fails.
+The peers' code is in gpu_peers.py, the shared helpers in gpu_common.py.
 Then: the projection tokens/s = tau x spec steps/s at batch 1 for the published tau values, the
 ratios to each peer, the gaps to the issue's goals, a plot, and the shared headline file.
 
@@ -43,7 +44,6 @@ import contextlib
 import gc
 import math
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -55,7 +55,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import (  # noqa: E402
     QWEN3_8B,
-    REPO_ROOT,
     copy_bandwidth,
     core_stats,
     decode_step_bytes,
@@ -70,6 +69,14 @@ from gpu_common import (  # noqa: E402
     write_json,
     write_random_qwen3,
 )
+from gpu_peers import (  # noqa: E402
+    hf_ar_step,
+    hf_compiled_step,
+    hf_verify,
+    load_hf,
+    reference_drafter_step,
+    set_attn,
+)
 
 SECTIONS = ("copy", "ar", "spec", "graphs_off", "smollm2", "hf", "reference", "compile")
 DRAFTER = {"num_layers": 5, "target_layer_ids": [1, 9, 17, 25, 33], "block_size": 16, "mask_token_id": 151669}
@@ -82,7 +89,6 @@ MAX_NUM_BATCHED_TOKENS = 8192  # the runtime's default prefill budget per step
 LOOKAHEAD_SLACK = 32  # KV slots per sequence beyond prompt + max_tokens (the scheduler's lookahead)
 HF_CONTEXT, HF_BATCHES, VERIFY_ROWS, CONTEXT_ROWS = 512, (1, 16), 16, 7
 RESULT_NAME = "gpu_h200_qwen3_8b"
-DEVICE = "cuda"  # the torch peers' device (a CPU dry run of their code sets "cpu")
 # Fraction of --budget-s by which each section must have started its last item (later ones skip).
 DEADLINES = {"ar": 0.36, "spec": 0.62, "graphs_off": 0.70, "smollm2": 0.76, "hf": 0.86, "reference": 0.90}
 
@@ -197,7 +203,7 @@ def self_check() -> None:
 # Our runtime
 
 
-def write_random_drafter(out: Path, target_cfg: dict, seed: int = 1) -> str:
+def write_random_drafter(out: Path, target_cfg: dict, seed: int = 1, device: str = "cuda") -> str:
     """The DFlash-b16-geometry drafter with random bf16 weights drawn on the GPU, written by
     write_dflash_drafter (bf16 through ml_dtypes when importable, else fp32 holding bf16 values,
     which the runtime rounds to the same bf16). Returns the file dtype."""
@@ -216,13 +222,13 @@ def write_random_drafter(out: Path, target_cfg: dict, seed: int = 1) -> str:
         bf16 = ml_dtypes.bfloat16
     except ImportError:
         bf16 = None
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
-            t = torch.ones(shape, dtype=torch.bfloat16, device=DEVICE)
+            t = torch.ones(shape, dtype=torch.bfloat16, device=device)
         else:
-            t = torch.randn(*shape, generator=g, device=DEVICE, dtype=torch.bfloat16) * 0.02
+            t = torch.randn(*shape, generator=g, device=device, dtype=torch.bfloat16) * 0.02
         weights[name] = t.view(torch.int16).cpu().numpy().view(bf16) if bf16 is not None else t.float().cpu().numpy()
     dtype = "bfloat16" if bf16 is not None else "float32"
     write_dflash_drafter(out, target_config=target_cfg, num_layers=DRAFTER["num_layers"],
@@ -331,207 +337,6 @@ def measure_point(sess, batch: int, ctx: int, *, steps: int, warmup: int) -> dic
         "eager_steps_in_timed": _counter_delta(after, before, "eager_steps"),
         "stats_delta": delta,
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Peers
-
-
-def load_hf(model_dir: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    kw = {"dtype": torch.bfloat16, "attn_implementation": "eager"}
-    try:
-        m, how = AutoModelForCausalLM.from_pretrained(str(model_dir), device_map=DEVICE, **kw), f"device_map={DEVICE!r}"
-    except Exception as e:  # noqa: BLE001 - e.g. accelerate absent: load on the CPU, then move
-        m = AutoModelForCausalLM.from_pretrained(str(model_dir), **kw).to(DEVICE)
-        how = f"CPU then .to({DEVICE!r}) (device_map failed: {type(e).__name__}: {e})"
-    return m.eval(), how
-
-
-def set_attn(m, impl: str) -> str:
-    if hasattr(m, "set_attn_implementation"):
-        m.set_attn_implementation(impl)
-    else:
-        m.config._attn_implementation = impl
-    return m.config._attn_implementation
-
-
-def _sync() -> None:
-    import torch
-
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def _prefill(m, ids):
-    out = m(input_ids=ids, use_cache=True, logits_to_keep=1)
-    return out.past_key_values, out.logits[:, -1:].argmax(-1)
-
-
-def hf_ar_step(m, batch: int, ctx: int, *, steps: int, warmup: int) -> dict[str, Any]:
-    """One-token forwards with a DynamicCache after a prefill; greedy argmax read back each step."""
-    import torch
-
-    g = torch.Generator(device=DEVICE).manual_seed(batch)
-    ids = torch.randint(10, m.config.vocab_size - 10, (batch, ctx), device=DEVICE, generator=g)
-    times = []
-    with torch.inference_mode():
-        cache, tok = _prefill(m, ids)
-        for i in range(warmup + steps):
-            _sync()
-            t = time.perf_counter()
-            out = m(input_ids=tok, past_key_values=cache, use_cache=True)
-            tok = out.logits[:, -1:].argmax(-1)
-            tok.cpu()
-            if i >= warmup:
-                times.append(time.perf_counter() - t)
-    del cache, out
-    free_cuda_memory()
-    return {"batch": batch, "context": ctx, "step_s": statistics.fmean(times), "step_s_min": min(times),
-            "step_ms_all": [round(t * 1e3, 3) for t in times]}
-
-
-def hf_verify(m, ctx: int, *, steps: int, warmup: int) -> dict[str, Any]:
-    """The verify forward of a DFlash step in transformers: 16 tokens over a cached context with
-    output_hidden_states, target features of the drafter's layers concatenated, greedy argmax read
-    back; the cache is cropped back to the context after each forward (outside the timing)."""
-    import torch
-
-    g = torch.Generator(device=DEVICE).manual_seed(7)
-    ids = torch.randint(10, m.config.vocab_size - 10, (1, ctx), device=DEVICE, generator=g)
-    block = torch.randint(10, m.config.vocab_size - 10, (1, VERIFY_ROWS), device=DEVICE, generator=g)
-    times = []
-    with torch.inference_mode():
-        cache, _ = _prefill(m, ids)
-        cropped = hasattr(cache, "crop")
-        for i in range(warmup + steps):
-            _sync()
-            t = time.perf_counter()
-            out = m(input_ids=block, past_key_values=cache, use_cache=True, output_hidden_states=True)
-            feats = torch.cat([out.hidden_states[lid + 1][0] for lid in DRAFTER["target_layer_ids"]], dim=-1)
-            out.logits[0].argmax(-1).cpu()
-            if i >= warmup:
-                times.append(time.perf_counter() - t)
-            del out, feats
-            if cropped:
-                cache.crop(-VERIFY_ROWS)  # negative: drop that many tokens (old and new transformers)
-    cached_at_end = int(cache.get_seq_length())
-    del cache
-    free_cuda_memory()
-    return {"rows": VERIFY_ROWS, "context": ctx, "step_s": statistics.fmean(times), "step_s_min": min(times),
-            "cache_cropped_each_step": cropped, "cached_tokens_at_end": cached_at_end,
-            "step_ms_all": [round(t * 1e3, 3) for t in times]}
-
-
-def reference_drafter_step(m, draft_dir: Path, ctx: int, *, steps: int, warmup: int) -> dict[str, Any]:
-    """tests/reference/dflash_reference.py on the GPU: append_context of 7 new rows + draft_query of
-    a 16-token block (+ LM head on 15 rows) + argmax read back, per step."""
-    import torch
-    import torch.nn.functional as F
-
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    from tests.reference import dflash_reference as ref
-
-    dr = ref.load_drafter(draft_dir)
-    dr.weights = {k: v.to(DEVICE, torch.bfloat16) for k, v in dr.weights.items()}
-    emb, head = m.get_input_embeddings().weight, m.get_output_embeddings().weight
-    saved = (ref._embed, ref._lm_head)
-    # The reference converts the whole embedding / LM head to fp32 on every call (correctness over
-    # speed); give it bf16 lookups instead so that it is timed as a plain bf16 implementation.
-    ref._embed = lambda _tm, ids: emb[ids].float()
-    ref._lm_head = lambda _tm, h: F.linear(h.to(torch.bfloat16), head).float()
-    width = len(dr.target_layer_ids) * dr.hidden_size
-    times = []
-    try:
-        with torch.inference_mode(), torch.device(DEVICE), torch.autocast(DEVICE, dtype=torch.bfloat16):
-            cache = ref.ContextKV.empty(dr)
-            ref.append_context(dr, cache, torch.randn(ctx, width), torch.arange(ctx))
-            rows = torch.randn(CONTEXT_ROWS, width)
-            block = torch.tensor([12] + [dr.mask_token_id] * (dr.block_size - 1))
-            for i in range(warmup + steps):
-                pos = len(cache)
-                _sync()
-                t = time.perf_counter()
-                ref.append_context(dr, cache, rows, torch.arange(pos, pos + CONTEXT_ROWS))
-                start = pos + CONTEXT_ROWS
-                logits = ref.draft_query(dr, None, cache, block, torch.arange(start, start + dr.block_size))
-                logits.argmax(-1).cpu()
-                if i >= warmup:
-                    times.append(time.perf_counter() - t)
-    finally:
-        ref._embed, ref._lm_head = saved
-    del dr, cache
-    free_cuda_memory()
-    return {"context_start": ctx, "new_context_rows": CONTEXT_ROWS, "block": DRAFTER["block_size"],
-            "step_s": statistics.fmean(times), "step_s_min": min(times),
-            "step_ms_all": [round(t * 1e3, 3) for t in times],
-            "how": "tests/reference/dflash_reference.py append_context + draft_query on the GPU under "
-                   "torch.autocast(bfloat16), drafter weights bf16; its fp32 _embed/_lm_head helpers "
-                   "replaced by bf16 lookups; the context K/V grows by 7 rows per step (torch.cat)"}
-
-
-class SectionTimeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    def on_alarm(_signum, _frame):
-        raise SectionTimeout(f"exceeded its time limit of {seconds:.0f} s")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(max(1, int(seconds)))
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def hf_compiled_step(m, ctx: int, *, new_tokens: int, limit_s: float) -> dict[str, Any]:
-    """transformers' documented recipe: static cache + torch.compile(forward, mode="reduce-overhead",
-    fullgraph=True), greedy generate; step = (t(new_tokens) - t(1)) / (new_tokens - 1)."""
-    import torch
-
-    g = torch.Generator(device=DEVICE).manual_seed(3)
-    ids = torch.randint(10, m.config.vocab_size - 10, (1, ctx), device=DEVICE, generator=g)
-    forward, cache_impl = m.forward, m.generation_config.cache_implementation
-    out: dict[str, Any] = {"recipe": "generation_config.cache_implementation='static'; model.forward = "
-                                     "torch.compile(model.forward, mode='reduce-overhead', fullgraph=True)",
-                           "attn_implementation": set_attn(m, "sdpa"), "time_limit_s": limit_s}
-
-    def gen(k):
-        _sync()
-        t = time.perf_counter()
-        with torch.inference_mode():
-            m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, min_new_tokens=k,
-                       do_sample=False, pad_token_id=0)
-        _sync()
-        return time.perf_counter() - t
-
-    t0 = time.perf_counter()
-    try:
-        with time_limit(limit_s):
-            m.generation_config.cache_implementation = "static"
-            m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
-            gen(new_tokens)  # compile
-            gen(new_tokens)  # CUDA-graph recording
-            out["compile_and_warmup_s"] = time.perf_counter() - t0
-            t1 = min(gen(1) for _ in range(2))
-            tn = min(gen(new_tokens) for _ in range(2))
-        out.update(ok=True, step_s=(tn - t1) / (new_tokens - 1), generate_1_s=t1, generate_n_s=tn,
-                   new_tokens=new_tokens)
-    except Exception as e:  # noqa: BLE001 - record why it failed, keep the rest of the run
-        out.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000],
-                   traceback_tail=traceback.format_exc()[-3000:], failed_after_s=time.perf_counter() - t0)
-    finally:
-        m.forward, m.generation_config.cache_implementation = forward, cache_impl
-        with contextlib.suppress(Exception):
-            torch._dynamo.reset()
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -844,8 +649,10 @@ class Run:
                         d[f"ar_b{b}_ctx{HF_CONTEXT}"] = hf_ar_step(m, b, HF_CONTEXT, steps=a.steps, warmup=3)
                         self.log(f"transformers {impl} AR batch {b} ctx {HF_CONTEXT}: "
                                  f"{d[f'ar_b{b}_ctx{HF_CONTEXT}']['step_s'] * 1e3:.2f} ms/step")
-                    d["verify16_ctx512"] = hf_verify(m, HF_CONTEXT, steps=a.steps, warmup=3)
-                    verify[impl] = d["verify16_ctx512"]["step_s"]
+                    vkey = f"verify{VERIFY_ROWS}_ctx{HF_CONTEXT}"
+                    d[vkey] = hf_verify(m, HF_CONTEXT, DRAFTER["target_layer_ids"], steps=a.steps,
+                                                     warmup=3, rows=VERIFY_ROWS)
+                    verify[impl] = d[vkey]["step_s"]
                     self.log(f"transformers {impl} verify forward of 16 tokens, ctx {HF_CONTEXT}: "
                              f"{verify[impl] * 1e3:.2f} ms")
                 except Exception as e:  # noqa: BLE001
@@ -856,7 +663,7 @@ class Run:
             set_attn(m, "eager")
         if "reference" in sec and self.before_deadline("reference"):
             try:
-                rd = reference_drafter_step(m, draft_dir, HF_CONTEXT, steps=a.steps, warmup=3)
+                rd = reference_drafter_step(m, draft_dir, HF_CONTEXT, steps=a.steps, warmup=3, new_rows=CONTEXT_ROWS)
                 peers["reference_drafter"] = rd
                 self.log(f"reference drafter step (bf16, GPU): {rd['step_s'] * 1e3:.2f} ms")
                 peers["reference_dflash_step"] = {
