@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import shlex
 import sys
 import tempfile
@@ -31,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, intermediate_size=12288, vocab_size=151936)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import QWEN3_8B, copy_bandwidth, write_random_qwen3  # noqa: E402
 
 
 def timed(fn, reps=10, warmup=2):
@@ -46,58 +45,6 @@ def timed(fn, reps=10, warmup=2):
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return best
-
-
-def copy_bandwidth():
-    n = 4 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(6):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        best = min(best, s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * n / best / 1e9
-
-
-def write_random_qwen3(out: Path):
-    c = QWEN3_8B
-    h, nh, nkv, hd, inter, v = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
-                                c["head_dim"], c["intermediate_size"], c["vocab_size"])
-    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **c, "rms_norm_eps": 1e-6,
-           "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
-           "hidden_act": "silu", "eos_token_id": 151645, "torch_dtype": "bfloat16"}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def rnd(*shape, std=0.02):
-        return (torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16) * std).cpu()
-
-    t = {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h),
-         "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        t[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        t[p + "self_attn.q_proj.weight"] = rnd(nh * hd, h)
-        t[p + "self_attn.k_proj.weight"] = rnd(nkv * hd, h)
-        t[p + "self_attn.v_proj.weight"] = rnd(nkv * hd, h)
-        t[p + "self_attn.o_proj.weight"] = rnd(h, nh * hd)
-        t[p + "self_attn.q_norm.weight"] = torch.ones(hd, dtype=torch.bfloat16)
-        t[p + "self_attn.k_norm.weight"] = torch.ones(hd, dtype=torch.bfloat16)
-        t[p + "mlp.gate_proj.weight"] = rnd(inter, h)
-        t[p + "mlp.up_proj.weight"] = rnd(inter, h)
-        t[p + "mlp.down_proj.weight"] = rnd(h, inter)
-    from safetensors.torch import save_file
-
-    save_file(t, str(out / "model.safetensors"))
-    weights_read = sum(x.numel() * 2 for k, x in t.items() if k != "model.embed_tokens.weight")
-    return weights_read
 
 
 def load_session(model_dir: Path):

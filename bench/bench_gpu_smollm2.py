@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""SmolLM2-135M-Instruct on the GPU: dflash CUDA backend (eager, no CUDA graphs yet) vs
-transformers generate (bf16, eager) on the same chat prompts, 64 new tokens each (ignore EOS /
+"""SmolLM2-135M-Instruct on the GPU: dflash CUDA backend (with CUDA graphs when the build has
+them: the JSON records cuda_graphs / graph_steps / eager_steps from stats()) vs transformers
+generate (bf16, eager) on the same chat prompts, 64 new tokens each (ignore EOS /
 min_new_tokens), batch 1 and 16, in one run: decode tokens/s and ms per step. A launch-bound
 model: the roofline step (weights / copy bandwidth) is ~0.06 ms, so these figures measure
-per-step overheads, which CUDA graphs (the next issue) attack.
+per-step overheads, which CUDA graphs attack.
+
+Also sets `smollm2_ar_speedup_vs_hf` (batch 1) in DIR/headline.json (see gpu_common.py);
+bench_gpu_qwen3.py calls run() when its `smollm2` section is selected.
 
 Usage (on the GPU machine): python bench/bench_gpu_smollm2.py --out DIR
 """
@@ -11,14 +15,14 @@ Usage (on the GPU machine): python bench/bench_gpu_smollm2.py --out DIR
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import core_stats, free_cuda_memory, run_record, stat, update_headline, write_json  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain why the sky is blue.",
            "List three prime numbers.", "Translate 'good morning' into French.", "What is 12 times 13?",
@@ -30,6 +34,7 @@ def ours(model_dir, prompts, n):
 
     cfg = _core.SessionConfig()
     cfg.device = "cuda"
+    cfg.kv_cache_tokens = 65536  # fixed: other sessions or torch may share the card
     sess = _core.Session(str(model_dir), cfg)
 
     def run():
@@ -54,8 +59,11 @@ def ours(model_dir, prompts, n):
 
     run()
     t, steps = run()
+    st = core_stats(sess)
     return {"decode_s": t, "steps": steps, "ms_per_step": t / steps * 1e3,
-            "decode_tokens_per_s": len(prompts) * (n - 1) / t}
+            "decode_tokens_per_s": len(prompts) * (n - 1) / t,
+            "cuda_graphs": stat(st, "cuda_graphs"), "graph_steps": stat(st, "graph_steps"),
+            "eager_steps": stat(st, "eager_steps")}
 
 
 def hf(model_dir, prompts, n):
@@ -80,11 +88,8 @@ def hf(model_dir, prompts, n):
     return {"decode_s": t, "ms_per_step": t / (n - 1) * 1e3, "decode_tokens_per_s": len(prompts) * (n - 1) / t}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    args = ap.parse_args()
+def run(out_dir, new_tokens=64, batch_sizes=(1, 16)):
+    """Both systems at each batch size; writes DIR/gpu_smollm2_ar.json and the headline key."""
     from dflash.default_model import default_model_dir
     from dflash.tokenizer import Tokenizer
 
@@ -92,21 +97,33 @@ def main():
     tok = Tokenizer.from_model_dir(d)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
                for p in PROMPTS]
-    res = {"benchmark": "gpu_smollm2_ar", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
-           "machine": torch.cuda.get_device_name(0), "cuda_graphs": False, "new_tokens": args.new_tokens}
-    for bs in (1, 16):
-        batch = (prompts * 2)[:bs]
-        o, h = ours(d, batch, args.new_tokens), hf(d, batch, args.new_tokens)
+    res = {**run_record("gpu_smollm2_ar"), "new_tokens": new_tokens}
+    out = Path(out_dir) / "gpu_smollm2_ar.json"
+    for bs in batch_sizes:
+        batch = (prompts * ((bs + len(prompts) - 1) // len(prompts)))[:bs]
+        o = ours(d, batch, new_tokens)
+        free_cuda_memory()
+        h = hf(d, batch, new_tokens)
+        free_cuda_memory()
+        res["cuda_graphs"] = o["cuda_graphs"]
         res[f"batch_{bs}"] = {"dflash": o, "transformers": h,
                               "speedup": o["decode_tokens_per_s"] / h["decode_tokens_per_s"]}
-        print(f"batch {bs}: dflash {o['ms_per_step']:.3f} ms/step {o['decode_tokens_per_s']:.0f} tok/s; "
+        print(f"SmolLM2 batch {bs}: dflash {o['ms_per_step']:.3f} ms/step {o['decode_tokens_per_s']:.0f} tok/s; "
               f"transformers {h['ms_per_step']:.3f} ms/step {h['decode_tokens_per_s']:.0f} tok/s; "
               f"speedup {res[f'batch_{bs}']['speedup']:.2f}x", flush=True)
-    out = Path(args.out) / "gpu_smollm2_ar.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"wrote {out}")
+        write_json(out, res)
+    if "batch_1" in res:
+        update_headline(out_dir, {"smollm2_ar_speedup_vs_hf": res["batch_1"]["speedup"]})
+    print(f"wrote {out}", flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    run(args.out, args.new_tokens)
 
 
 if __name__ == "__main__":

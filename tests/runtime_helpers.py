@@ -75,10 +75,10 @@ def assert_no_leaks(session) -> None:
 
 
 def greedy_hf(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids=None) -> list[int]:
-    """transformers' greedy generate; returns only the new tokens."""
+    """transformers' greedy generate (on the model's device); returns only the new tokens."""
     import torch
 
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device)
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                   attention_mask=torch.ones_like(ids))
     if eos_ids is not None:
