@@ -41,6 +41,14 @@ cudaError_t qkv_norm_rope(const __nv_bfloat16* qkv, const __nv_bfloat16* q_norm,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, __nv_bfloat16* q,
                           __nv_bfloat16* k, __nv_bfloat16* v, cudaStream_t stream);
 
+// The same with K and V written straight into one layer's paged pools: k_pool / v_pool
+// [num_slots, nkv * hd] rows slots[T] (a negative slot is skipped); q as above.
+cudaError_t qkv_norm_rope_write(const __nv_bfloat16* qkv, const __nv_bfloat16* q_norm,
+                                const __nv_bfloat16* k_norm, float eps, const int32_t* positions,
+                                const float* inv_freq, const int32_t* slots, int64_t num_tokens,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, __nv_bfloat16* q,
+                                __nv_bfloat16* k_pool, __nv_bfloat16* v_pool, cudaStream_t stream);
+
 // k_pool/v_pool [num_slots, nkv * hd] of one layer: rows slots[T] = k[T], v[T].
 cudaError_t kv_write(const __nv_bfloat16* k, const __nv_bfloat16* v, const int32_t* slots, int64_t num_tokens,
                      int64_t row_elems, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool, cudaStream_t stream);

@@ -1,6 +1,7 @@
 // Splits the fused QKV projection into q, k, v heads with Qwen3's optional per-head RMSNorm on
 // q and k and rotate-half RoPE on both: one warp per (token, head) unit, 8 warps per block,
-// grid-stride over T * (nh + 2 nkv) units (see rope_common.cuh for the lane layout).
+// grid-stride over T * (nh + 2 nkv) units (see rope_common.cuh for the lane layout). The
+// _write variant puts K and V straight into a layer's paged pools (no separate KV write).
 #include "cuda/kernels.h"
 #include "cuda/rope_common.cuh"
 
@@ -12,13 +13,14 @@ constexpr int kThreads = 256;
 }  // namespace
 
 // qkv [T, (nh + 2 nkv) hd], q_norm / k_norm [hd] or null, positions [T], inv_freq [hd/2],
-// q [T, nh, hd], k [T, nkv, hd], v [T, nkv, hd].
+// q [T, nh, hd]; K/V row r of token t: r = slots[t] (skipped when negative) when slots is
+// non-null (k, v are then a layer's paged pools), else r = t (k, v [T, nkv, hd]).
 template <int P>
 static __global__ void __launch_bounds__(kThreads)
     qkv_norm_rope_kernel(const __nv_bfloat16* qkv, const __nv_bfloat16* q_norm,
                          const __nv_bfloat16* k_norm, float eps, const int32_t* positions,
-                         const float* inv_freq, int64_t num_tokens, int num_heads, int num_kv_heads,
-                         int head_dim, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v) {
+                         const float* inv_freq, const int32_t* slots, int64_t num_tokens, int num_heads,
+                         int num_kv_heads, int head_dim, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v) {
   const int heads = num_heads + 2 * num_kv_heads;
   const int64_t units = num_tokens * heads;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -31,20 +33,24 @@ static __global__ void __launch_bounds__(kThreads)
     if (h < num_heads) {
       detail::norm_rope_head<P>(src, q_norm, eps, pos, inv_freq, head_dim,
                                 q + (t * num_heads + h) * head_dim);
-    } else if (h < num_heads + num_kv_heads) {
+      continue;
+    }
+    const int64_t row = slots ? static_cast<int64_t>(slots[t]) : t;
+    if (row < 0) continue;  // uniform over the warp
+    if (h < num_heads + num_kv_heads) {
       detail::norm_rope_head<P>(src, k_norm, eps, pos, inv_freq, head_dim,
-                                k + (t * num_kv_heads + h - num_heads) * head_dim);
+                                k + (row * num_kv_heads + h - num_heads) * head_dim);
     } else {
-      detail::copy_head<P>(src, head_dim, v + (t * num_kv_heads + h - num_heads - num_kv_heads) * head_dim);
+      detail::copy_head<P>(src, head_dim, v + (row * num_kv_heads + h - num_heads - num_kv_heads) * head_dim);
     }
   }
 }
 
-cudaError_t qkv_norm_rope(const __nv_bfloat16* qkv, const __nv_bfloat16* q_norm,
-                          const __nv_bfloat16* k_norm, float eps, const int32_t* positions,
-                          const float* inv_freq, int64_t num_tokens, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t head_dim, __nv_bfloat16* q,
-                          __nv_bfloat16* k, __nv_bfloat16* v, cudaStream_t stream) {
+static cudaError_t launch_qkv_norm_rope(const __nv_bfloat16* qkv, const __nv_bfloat16* q_norm,
+                                       const __nv_bfloat16* k_norm, float eps, const int32_t* positions,
+                                       const float* inv_freq, const int32_t* slots, int64_t num_tokens,
+                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                       __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, cudaStream_t stream) {
   if (num_tokens <= 0 || num_heads + num_kv_heads <= 0) return cudaSuccess;
   if (head_dim <= 0 || head_dim % 2 != 0 || num_heads < 0 || num_kv_heads < 0 ||
       (num_heads > 0 && q == nullptr)) {
@@ -60,8 +66,8 @@ cudaError_t qkv_norm_rope(const __nv_bfloat16* qkv, const __nv_bfloat16* q_norm,
   const int hd = static_cast<int>(head_dim);
 #define DFLASH_QKV_LAUNCH(P)                                                                   \
   qkv_norm_rope_kernel<P><<<blocks, kThreads, 0, stream>>>(qkv, q_norm, k_norm, eps, positions, \
-                                                           inv_freq, num_tokens, nh, nkv, hd, q, \
-                                                           k, v)
+                                                           inv_freq, slots, num_tokens, nh, nkv, hd, \
+                                                           q, k, v)
   switch (pairs) {
     case 4: DFLASH_QKV_LAUNCH(4); break;
     case 2: DFLASH_QKV_LAUNCH(2); break;
@@ -70,6 +76,25 @@ cudaError_t qkv_norm_rope(const __nv_bfloat16* qkv, const __nv_bfloat16* q_norm,
   }
 #undef DFLASH_QKV_LAUNCH
   return cudaGetLastError();
+}
+
+cudaError_t qkv_norm_rope(const __nv_bfloat16* qkv, const __nv_bfloat16* q_norm,
+                          const __nv_bfloat16* k_norm, float eps, const int32_t* positions,
+                          const float* inv_freq, int64_t num_tokens, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, __nv_bfloat16* q,
+                          __nv_bfloat16* k, __nv_bfloat16* v, cudaStream_t stream) {
+  return launch_qkv_norm_rope(qkv, q_norm, k_norm, eps, positions, inv_freq, nullptr, num_tokens, num_heads,
+                              num_kv_heads, head_dim, q, k, v, stream);
+}
+
+cudaError_t qkv_norm_rope_write(const __nv_bfloat16* qkv, const __nv_bfloat16* q_norm,
+                                const __nv_bfloat16* k_norm, float eps, const int32_t* positions,
+                                const float* inv_freq, const int32_t* slots, int64_t num_tokens,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, __nv_bfloat16* q,
+                                __nv_bfloat16* k_pool, __nv_bfloat16* v_pool, cudaStream_t stream) {
+  if (slots == nullptr) return cudaErrorInvalidValue;
+  return launch_qkv_norm_rope(qkv, q_norm, k_norm, eps, positions, inv_freq, slots, num_tokens, num_heads,
+                              num_kv_heads, head_dim, q, k_pool, v_pool, stream);
 }
 
 }  // namespace cuda

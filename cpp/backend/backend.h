@@ -113,6 +113,14 @@ class Backend {
   virtual void qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
                              float eps, const Tensor& positions, const Tensor& inv_freq,
                              float rope_scale, Tensor& q, Tensor& k, Tensor& v) = 0;
+  // qkv_norm_rope with K and V written straight into pool layer `layer` at slots[T] (k, v are
+  // scratch the backend may use or not).
+  virtual void qkv_norm_rope_write(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, float eps,
+                                   const Tensor& positions, const Tensor& inv_freq, const Tensor& slots, Tensor& q,
+                                   Tensor& k, Tensor& v, KVPool& pool, int64_t layer) {
+    qkv_norm_rope(qkv, q_norm, k_norm, eps, positions, inv_freq, 1.0f, q, k, v);
+    kv_write(pool, layer, k, v, slots);
+  }
   // pool.{k,v}[layer] at slots[T] (block * block_size + offset) = k[T], v[T]
   virtual void kv_write(KVPool& pool, int64_t layer, const Tensor& k, const Tensor& v,
                         const Tensor& slots) = 0;

@@ -168,6 +168,25 @@ void cuda_qkv_norm_rope(const Any& qkv, const std::optional<Any>& q_norm,
                              bf16_ptr(v, "v"), nullptr));
 }
 
+void cuda_qkv_norm_rope_write(const Any& qkv, const std::optional<Any>& q_norm, const std::optional<Any>& k_norm,
+                              float eps, const I32& positions, const F32& inv_freq, const I32& slots,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const Any& q,
+                              const Any& k_pool, const Any& v_pool) {
+  const int64_t t = static_cast<int64_t>(positions.size());
+  DFLASH_ARG_CHECK(numel(qkv) == t * (num_heads + 2 * num_kv_heads) * head_dim &&
+                       static_cast<int64_t>(inv_freq.size()) * 2 == head_dim &&
+                       static_cast<int64_t>(slots.size()) == t && numel(q) == t * num_heads * head_dim &&
+                       numel(k_pool) == numel(v_pool) && numel(k_pool) % (num_kv_heads * head_dim) == 0,
+                   "qkv_norm_rope_write: qkv [T, (nh + 2 nkv) hd], positions, slots [T], inv_freq [hd/2], "
+                   "q [T, nh, hd], pools [S, nkv hd]");
+  use_device(qkv.device_id());
+  finish("qkv_norm_rope_write",
+         cuda::qkv_norm_rope_write(bf16_ptr(qkv, "qkv"), bf16_ptr(q_norm, "q_norm"), bf16_ptr(k_norm, "k_norm"), eps,
+                                   positions.data(), inv_freq.data(), slots.data(), t, num_heads, num_kv_heads,
+                                   head_dim, bf16_ptr(q, "q"), bf16_ptr(k_pool, "k_pool"),
+                                   bf16_ptr(v_pool, "v_pool"), nullptr));
+}
+
 void cuda_kv_write(const Any& k, const Any& v, const I32& slots, const Any& k_pool,
                    const Any& v_pool) {
   const int64_t t = static_cast<int64_t>(slots.size());
@@ -369,6 +388,9 @@ void bind_cuda_testing(nb::module_& m) {
   m.def("cuda_kv_norm_rope_write_layers", &cuda_kv_norm_rope_write_layers, "kv"_a, "k_norm"_a.none(), "eps"_a,
         "positions"_a, "inv_freq"_a, "slots"_a, "num_layers"_a, "num_kv_heads"_a, "head_dim"_a, "k_pool"_a,
         "v_pool"_a);
+  m.def("cuda_qkv_norm_rope_write", &cuda_qkv_norm_rope_write, "qkv"_a, "q_norm"_a.none(), "k_norm"_a.none(),
+        "eps"_a, "positions"_a, "inv_freq"_a, "slots"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "q"_a,
+        "k_pool"_a, "v_pool"_a);
   m.def("cuda_argmax_rows", &cuda_argmax_rows, "logits"_a, "out"_a);
   m.def("cuda_assemble_drafts", &cuda_assemble_drafts, "proposed"_a, "override_drafts"_a, "use_override"_a,
         "drafts"_a, "verify_ids"_a);

@@ -73,8 +73,7 @@ void decoder_layer_forward(Backend& b, const LayerWeights& w, const LayerGeometr
     b.add_rms_norm(residual, s.proj, w.input_norm, g.eps, s.normed);
   }
   b.linear(s.normed, w.qkv, s.qkv);
-  b.qkv_norm_rope(s.qkv, w.q_norm, w.k_norm, g.eps, positions, inv_freq, 1.0f, s.q, s.k, s.v);
-  b.kv_write(pool, layer, s.k, s.v, slots);
+  b.qkv_norm_rope_write(s.qkv, w.q_norm, w.k_norm, g.eps, positions, inv_freq, slots, s.q, s.k, s.v, pool, layer);
   b.paged_attention(s.q, pool, layer, meta, s.attn);
   b.linear(s.attn.reshape({t, g.num_heads * g.head_dim}), w.o, s.proj);
   b.add_rms_norm(residual, s.proj, w.post_norm, g.eps, s.normed);

@@ -228,6 +228,34 @@ def test_qkv_norm_rope(tokens, head_dim, heads, qk_norm):
     assert torch.equal(v, heads3[:, nh + nkv :])
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 129])
+@pytest.mark.parametrize("head_dim,heads", [(64, (9, 3)), (128, (32, 8))])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qkv_norm_rope_write(tokens, head_dim, heads, qk_norm):
+    """The fused op == qkv_norm_rope then kv_write, bit for bit; negative slots write nothing."""
+    K = _ops()
+    nh, nkv = heads
+    num_slots = 300
+    qkv = bf16(tokens, (nh + 2 * nkv) * head_dim, scale=2.0, seed=31)
+    q_norm = bf16(head_dim, scale=0.3, offset=1.0, seed=32) if qk_norm else None
+    k_norm = bf16(head_dim, scale=0.3, offset=1.0, seed=33) if qk_norm else None
+    pos = positions_of(tokens, 7 * head_dim)
+    inv = inv_freq_of(head_dim)
+    slots = scattered_slots(tokens, num_slots, seed=tokens + 3)
+    q = torch.empty(tokens, nh, head_dim, device=DEV, dtype=torch.bfloat16)
+    k_pool = torch.zeros(num_slots, nkv * head_dim, device=DEV, dtype=torch.bfloat16)
+    v_pool = torch.zeros_like(k_pool)
+    K.cuda_qkv_norm_rope_write(qkv, q_norm, k_norm, 1e-6, pos, inv, slots, nh, nkv, head_dim, q, k_pool, v_pool)
+    q2 = torch.empty_like(q)
+    k = torch.empty(tokens, nkv, head_dim, device=DEV, dtype=torch.bfloat16)
+    v = torch.empty_like(k)
+    K.cuda_qkv_norm_rope(qkv, q_norm, k_norm, 1e-6, pos, inv, nh, nkv, head_dim, q2, k, v)
+    k_want, v_want = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
+    K.cuda_kv_write(k, v, slots, k_want, v_want)
+    assert torch.equal(q, q2)
+    assert torch.equal(k_pool, k_want) and torch.equal(v_pool, v_want)
+
+
 def scattered_slots(tokens, num_slots, seed, skip_one=True):
     g = torch.Generator(device=DEV).manual_seed(seed)
     slots = torch.randperm(num_slots, device=DEV, generator=g)[:tokens].to(torch.int32)

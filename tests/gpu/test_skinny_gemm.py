@@ -193,8 +193,10 @@ def test_backend_gemm_env(tiny_model_dirs, monkeypatch):
         gc.collect()
         return out
 
-    lt, skinny, default = logits("cublaslt"), logits("auto"), logits(None)
-    assert np.array_equal(skinny, default)
+    lt, skinny, auto, default = logits("cublaslt"), logits("skinny"), logits("auto"), logits(None)
+    assert np.array_equal(auto, default)
+    # tiny weights: the auto rule sends them all to the skinny kernel
+    assert np.array_equal(skinny, auto)
     # Every row here (a 6-row prefill, then one row per step) has <= 16 rows, so the two sessions
     # share no GEMM kernel: they differ by bf16 rounding only, as the CUDA backend and the fp32
     # CPU backend do in test_cuda_models (same tolerance).

@@ -28,20 +28,26 @@ void check_bf16(const Tensor& t, const char* what) {
   DFLASH_CHECK(t.dtype == DType::kBF16 && t.device == DeviceKind::kCUDA, what, ": expected a bf16 CUDA tensor");
 }
 
-// DFLASH_GEMM: "cublaslt" sends every linear layer to cuBLASLt; unset or "auto" uses the
-// skinny GEMM kernel for inputs of up to kSkinnyGemmRows rows.
-bool skinny_gemm_from_env() {
+// DFLASH_GEMM: "cublaslt" sends every linear layer to cuBLASLt; "skinny" every one the skinny
+// kernel supports (up to kSkinnyGemmRows rows); unset or "auto": the skinny kernel only for
+// small weights (N x K <= 4096 x 4096), where it measured faster than cuBLASLt on the H200
+// (bench/results/gpu_h200_skinny_gemm.json: O projection 10.9 vs 13.2 us); cuBLASLt wins on the
+// larger ones (gate/up, LM head, drafter fc). A fixed rule, not timing, so results are
+// reproducible run to run.
+CudaBackend::GemmMode gemm_mode_from_env() {
   const char* v = std::getenv("DFLASH_GEMM");
   const std::string s = v ? v : "";
-  DFLASH_ARG_CHECK(s.empty() || s == "auto" || s == "cublaslt", "DFLASH_GEMM=", s,
-                   " is not one of auto, cublaslt");
-  return s != "cublaslt";
+  DFLASH_ARG_CHECK(s.empty() || s == "auto" || s == "cublaslt" || s == "skinny", "DFLASH_GEMM=", s,
+                   " is not one of auto, cublaslt, skinny");
+  return s == "cublaslt" ? CudaBackend::GemmMode::kCublasLt
+         : s == "skinny" ? CudaBackend::GemmMode::kSkinny
+                         : CudaBackend::GemmMode::kAuto;
 }
 
 }  // namespace
 
 CudaBackend::CudaBackend(int device, size_t scratch_bytes) : device_(device), scratch_bytes_(scratch_bytes) {
-  skinny_gemm_ = skinny_gemm_from_env();  // first: it may throw, before anything is allocated
+  gemm_mode_ = gemm_mode_from_env();  // first: it may throw, before anything is allocated
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
@@ -178,7 +184,9 @@ void CudaBackend::linear(const Tensor& x, const Tensor& w, Tensor& out) {
   const int64_t n = w.dim(0), k = w.dim(1), m = x.numel() / k;
   DFLASH_CHECK(x.numel() == m * k && out.numel() == m * n, "linear: shape mismatch x ", shape_str(x.shape), " w ",
                shape_str(w.shape), " out ", shape_str(out.shape));
-  if (skinny_gemm_ && m <= kSkinnyGemmRows && cuda::skinny_gemm_supports(x.data, w.data, m, k)) {
+  const bool skinny = gemm_mode_ == GemmMode::kSkinny ||
+                      (gemm_mode_ == GemmMode::kAuto && n * k <= kSkinnyGemmMaxWeight);
+  if (skinny && m <= kSkinnyGemmRows && cuda::skinny_gemm_supports(x.data, w.data, m, k)) {
     DFLASH_CUDA_CHECK(cuda::skinny_gemm(bf(x), bf(w), m, n, k, out.dtype == DType::kF32, out.data, stream_));
     return;
   }
@@ -202,6 +210,17 @@ void CudaBackend::qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm, const T
                                         k_norm.empty() ? nullptr : bf(k_norm), eps, i32(positions),
                                         inv_freq.ptr<float>(), k.dim(0), q.dim(1), k.dim(1), k.dim(2),
                                         q.dim(1) ? bf(q) : nullptr, bf(k), bf(v), stream_));
+}
+
+void CudaBackend::qkv_norm_rope_write(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, float eps,
+                                      const Tensor& positions, const Tensor& inv_freq, const Tensor& slots, Tensor& q,
+                                      Tensor& k, Tensor& v, KVPool& pool, int64_t layer) {
+  const int64_t layer_elems = pool.num_blocks * pool.block_size * pool.num_kv_heads * pool.head_dim;
+  DFLASH_CUDA_CHECK(cuda::qkv_norm_rope_write(bf(qkv), q_norm.empty() ? nullptr : bf(q_norm),
+                                              k_norm.empty() ? nullptr : bf(k_norm), eps, i32(positions),
+                                              inv_freq.ptr<float>(), i32(slots), k.dim(0), q.dim(1), k.dim(1),
+                                              k.dim(2), q.dim(1) ? bf(q) : nullptr, bf(pool.k) + layer * layer_elems,
+                                              bf(pool.v) + layer * layer_elems, stream_));
 }
 
 void CudaBackend::kv_write(KVPool& pool, int64_t layer, const Tensor& k, const Tensor& v, const Tensor& slots) {

@@ -20,6 +20,7 @@ class Modules;
 
 class CudaBackend final : public Backend {
  public:
+  enum class GemmMode { kAuto, kCublasLt, kSkinny };
   // scratch_bytes: the per-step arena (activations, logits, metadata).
   CudaBackend(int device, size_t scratch_bytes);
   ~CudaBackend() override;
@@ -53,6 +54,9 @@ class CudaBackend final : public Backend {
   void qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, float eps,
                      const Tensor& positions, const Tensor& inv_freq, float rope_scale, Tensor& q, Tensor& k,
                      Tensor& v) override;
+  void qkv_norm_rope_write(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, float eps,
+                           const Tensor& positions, const Tensor& inv_freq, const Tensor& slots, Tensor& q, Tensor& k,
+                           Tensor& v, KVPool& pool, int64_t layer) override;
   void kv_write(KVPool& pool, int64_t layer, const Tensor& k, const Tensor& v, const Tensor& slots) override;
   void paged_attention(const Tensor& q, const KVPool& pool, int64_t layer, const AttentionMeta& meta,
                        Tensor& out) override;
@@ -91,9 +95,11 @@ class CudaBackend final : public Backend {
   size_t gemm_workspace_bytes_ = 32u << 20;
   std::unique_ptr<CublasLtGemm> gemm_;
   // linear() runs the skinny GEMM kernel (cuda/skinny_gemm.cu) for x of up to kSkinnyGemmRows
-  // rows, cuBLASLt otherwise; false (DFLASH_GEMM=cublaslt, read at construction): always cuBLASLt.
+  // rows and (kAuto) weights of at most kSkinnyGemmMaxWeight elements, cuBLASLt otherwise
+  // (DFLASH_GEMM, read at construction: auto, cublaslt, skinny).
   static constexpr int64_t kSkinnyGemmRows = 16;
-  bool skinny_gemm_ = true;
+  static constexpr int64_t kSkinnyGemmMaxWeight = int64_t{4096} * 4096;
+  GemmMode gemm_mode_ = GemmMode::kAuto;
   std::unique_ptr<triton_aot::Modules> triton_;
 };
 

@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Where the time of one decode step goes, on the GPU: the AR step and the speculative step of
+the Qwen3-8B-geometry target (+ DFlash-b16 drafter) at batch 1, context 512, replayed from CUDA
+graphs, profiled with torch.profiler (CUPTI kernel activity, which also sees the kernels of our
+graphs). Per kernel family: time per step, launches per step; and GPU busy time vs the step's
+wall time (the difference is launch gaps and host work).
+
+Usage (GPU machine, dflash installed): python bench/profile_gpu_step.py --out DIR
+Writes DIR/gpu_h200_step_profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_qwen3 import DRAFTER, make_session, synthetic_prompt, write_random_drafter  # noqa: E402
+from gpu_common import QWEN3_8B, qwen3_config, run_record, write_json, write_random_qwen3  # noqa: E402
+
+FAMILIES = [  # (family, substrings of the kernel name), first match wins
+    ("attention", ("paged_attention",)),
+    ("gemm_skinny", ("skinny",)),
+    ("gemm_cublas", ("gemm", "nvjet", "cutlass", "sm90", "xmma", "splitK", "Kernel2")),
+    ("norm", ("rms_norm",)),
+    ("rope_kv", ("rope", "kv_write")),
+    ("silu", ("silu",)),
+    ("embedding", ("embedding",)),
+    ("sampling_accept", ("sample", "accept", "argmax", "assemble")),
+    ("copy_columns_gather_add", ("copy_columns", "gather", "add_kernel")),
+]
+
+
+def family(name: str) -> str:
+    for fam, keys in FAMILIES:
+        if any(k in name for k in keys):
+            return fam
+    return "other"
+
+
+def profile(sess, steps: int, warmup: int) -> dict:
+    import torch
+    from dflash import _core
+
+    req = _core.RequestInput()
+    req.prompt = synthetic_prompt(0, 512)
+    s = _core.SamplingConfig()
+    s.max_tokens, s.ignore_eos = 10 * (steps + warmup) + 20, True
+    req.sampling = s
+    rid = sess.add_request(req)
+    for _ in range(warmup + 1):
+        sess.step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            sess.step()
+        wall = (time.perf_counter() - t0) / steps
+    sess.abort(rid)
+    sess.take_result(rid)
+    per_name = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[ev.name][0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            per_name[ev.name][1] += 1
+    fams = collections.defaultdict(lambda: {"us_per_step": 0.0, "launches_per_step": 0.0})
+    for name, (us, n) in per_name.items():
+        f = fams[family(name)]
+        f["us_per_step"] += us / steps
+        f["launches_per_step"] += n / steps
+    busy = sum(f["us_per_step"] for f in fams.values())
+    top = sorted(((us / steps, n / steps, name[:120]) for name, (us, n) in per_name.items()), reverse=True)[:25]
+    return {"wall_ms_per_step": wall * 1e3, "gpu_busy_ms_per_step": busy / 1e3,
+            "gaps_ms_per_step": wall * 1e3 - busy / 1e3,
+            "families": {k: {kk: round(vv, 2) for kk, vv in v.items()} for k, v in sorted(fams.items())},
+            "top_kernels": [{"us_per_step": round(a, 2), "launches_per_step": b, "name": c} for a, b, c in top]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    res = run_record("gpu_step_profile")
+    res["point"] = {"batch": 1, "context": 512, "cuda_graphs": True}
+    work = Path(tempfile.mkdtemp(prefix="dflash_prof_"))
+    model, draft = work / "target", work / "drafter"
+    write_random_qwen3(model)
+    write_random_drafter(draft, qwen3_config(QWEN3_8B))
+    kv = {"max_model_len": 4096, "kv_cache_tokens": 16384}
+    out = Path(args.out) / "gpu_h200_step_profile.json"
+    for label, d in (("ar", None), ("spec", draft)):
+        sess, _ = make_session(model, draft_dir=d, graphs=True, kv=kv, max_num_seqs=16)
+        res[label] = profile(sess, args.steps, warmup=3)
+        print(label, {k: v for k, v in res[label].items() if k != "top_kernels"}, flush=True)
+        for row in res[label]["top_kernels"][:12]:
+            print("   ", row, flush=True)
+        del sess
+        write_json(out, res)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
