@@ -11,7 +11,14 @@
 # - the exported drafter loads in the runtime and Session.propose equals the
 #   trainer's own model (ids equal, logits within 1e-4);
 # - N steps straight == N/2 steps + --resume N/2 (bit-identical weights, losses);
-# - the CLI subcommand end to end (data build, train, resume refusal/continue).
+# - the CLI subcommand end to end (data build, train, resume refusal/continue);
+# - multi-call training: compact int8 state (bounded encoding errors, parts within a size
+#   cap, resume tracks an uninterrupted run), bf16 autocast + bf16 target + grouped SDPA +
+#   the attention probe on the CPU, the index-space data cursor (length groups, regenerated
+#   sets), packed .npz.xz sets, loop detection/truncation, prompt sources (GSM8K variants,
+#   compressed prompt files, stdlib code, self-written prompts), the device driver
+#   (`python -m dflash.train.device_run`) twice on a tiny target with carried state and data,
+#   and the mask-token fallback for a target without a spare embedding row (SmolLM2).
 from __future__ import annotations
 
 import json
@@ -247,3 +254,233 @@ def test_cli_train_end_to_end(target, tmp_path):
     assert main(["train", "--out", str(out), "--resume", "--steps", "4", "-q"]) == 0  # nothing left: re-export
     assert json.loads((out / "train_summary.json").read_text())["step"] == 4
     dflash.Session(target, draft=out / "drafter", device="cpu", num_threads=2).propose([5, 6, 7])
+
+
+# ---------------------------------------------------------------------------------- multi-call training
+# (compact resumable state, packed data, robust data cursor, bf16 paths on the CPU, the
+# device driver `python -m dflash.train.device_run` end to end on a tiny target)
+
+from dflash.train import state as S
+
+
+def test_state_encodings_bounded_error():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=g) * torch.logspace(-6, 0, 1000)  # mixed magnitudes, signed
+    v = x.pow(2)
+    v[::7] = 0.0
+    for enc, t in (("f32", x), ("bf16", x), ("q8lin", x), ("q8log", v)):
+        y = S.decode_tensor(S.encode_tensor(t, enc), enc, list(t.shape))
+        if enc == "f32":
+            assert torch.equal(y, t)
+        elif enc == "bf16":
+            assert torch.equal(y, t.to(torch.bfloat16).float())
+        elif enc == "q8lin":  # absolute error <= half a step of the block's absmax / 127
+            blk = torch.nn.functional.pad(t, (0, 24)).view(-1, 256).abs().amax(1)
+            step = blk.repeat_interleave(256)[:1000] / 127
+            assert torch.all((y - t).abs() <= 0.5 * step + 1e-12)
+        else:  # zeros exact, relative error bounded by the block's log range / 508 octaves
+            assert torch.equal(y == 0, t == 0)
+            nz = t > 0
+            ratio = (y[nz] / t[nz]).log2().abs()
+            assert float(ratio.max()) <= 64 / 508 + 1e-6
+    with pytest.raises(ValueError, match="non-negative"):
+        S.encode_tensor(x, "q8log")
+
+
+def _int8_config(target, out, data, **kw):
+    return _small_config(target, out, data, steps=16, batch_size=4, num_anchors=16, state_format="int8",
+                         state_part_mib=0.02, warmup_steps=2, **kw)
+
+
+def test_compact_state_resume_continues(target, dataset, tmp_path):
+    """int8 state: parts within the cap, resume continues the step counter and the descent, and
+    stays close to an uninterrupted run (weights bf16-rounded once, 8-bit moments)."""
+    straight = T.train(_int8_config(target, tmp_path / "a", dataset), log=None)
+    first = T.train(_int8_config(target, tmp_path / "b", dataset), log=None, stop_after_steps=8)
+    files = S.checkpoint_files(tmp_path / "b" / "checkpoint")
+    assert files[0].name == "state.json" and len(files) >= 3  # split into several parts by the small cap
+    cap = int(0.02 * 2**20)
+    assert all(f.stat().st_size <= cap for f in files[1:])
+    shapes = {n: list(p.shape) for n, p in first["model"].named_parameters()}
+    assert sum(f.stat().st_size for f in files[1:]) == S.state_bytes_estimate(shapes, "int8")
+    n_params = sum(p.numel() for p in first["model"].parameters())
+    assert S.state_bytes_estimate(shapes, "int8") < 4.2 * n_params  # vs 12 bytes/param in fp32
+    saved = S.load_checkpoint(tmp_path / "b" / "checkpoint")
+    for k, w in first["model"].state_dict().items():
+        expect = w if w.dim() < 2 else w.to(torch.bfloat16).float()
+        assert torch.equal(saved["model"][k], expect)
+    second = T.train(_int8_config(target, tmp_path / "b", dataset), resume=True, log=None)
+    assert second["step"] == 16 and second["steps_here"] == 8
+    la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert len(lb) == 16 and lb[:8] == la[:8]
+    assert np.mean(lb[-4:]) < 0.7 * np.mean(lb[:4])  # still descending after the resume
+    assert max(abs(x - y) for x, y in zip(la[8:], lb[8:])) < 0.05 * max(la[8:])
+    wa, wb = straight["model"].state_dict(), second["model"].state_dict()
+    rel = max(float((wa[k] - wb[k]).norm() / wa[k].norm()) for k in wa)
+    assert rel < 0.02
+    # the drafter can be exported from the state alone, identical to the trainer's bf16 export
+    from dflash.train.trainer import export_from_checkpoint
+    T.train(_int8_config(target, tmp_path / "b", dataset, export_dtype="bfloat16"), resume=True, log=None)
+    d = export_from_checkpoint(tmp_path / "b" / "checkpoint", tmp_path / "exported")
+    assert (d / "model.safetensors").read_bytes() == (tmp_path / "b" / "drafter" / "model.safetensors").read_bytes()
+
+
+def test_bf16_autocast_and_sdpa_paths_on_cpu(target, dataset, hf_model, tmp_path):
+    """The CUDA configuration (bf16 autocast, bf16 target, grouped sdpa, attention probe) run on
+    the CPU: finite, descending, and the probe leaves the parameters untouched."""
+    res = T.train(_small_config(target, tmp_path / "bf", dataset, amp="bf16", attention="sdpa", sdpa_group_blocks=3,
+                                target_dtype="bfloat16", group_batches=2, holdout=2, steps=20, batch_size=4,
+                                num_anchors=16, warmup_steps=2), log=None)
+    losses = _losses(tmp_path / "bf")
+    assert all(math.isfinite(x) for x in losses) and np.mean(losses[-3:]) < 0.6 * np.mean(losses[:3])
+    assert res["eval"]["rows"] == 2 and math.isfinite(res["eval"]["loss"])
+    model = res["model"]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tm = hf_model(target)
+    examples = [(s.ids, len(s.prompt_ids)) for s in D.load_dataset(dataset)]
+    cfg = _small_config(target, tmp_path / "p", dataset, amp="bf16", batch_size=4, num_anchors=16)
+    times = T.probe_attention(model, tm, examples, cfg, torch.device("cpu"), 2.0, repeats=1)
+    assert set(times) == {"eager", "sdpa"} and all(math.isfinite(t) for t in times.values())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_cursor_index_space_and_length_groups():
+    lengths = {i: 10 + (i * 7) % 23 for i in range(40) if i % 5}  # indices 0, 5, 10.. unusable
+    for group in (1, 3):
+        c = T.DataCursor(40, lengths, 4, seed=1, group=group)
+        seen = [i for _ in range(60) for i in c.next_batch()]
+        counts = np.bincount(seen, minlength=40)
+        assert all(counts[i] == 0 for i in range(0, 40, 5))
+        assert counts.max() - counts[[i for i in lengths]].min() <= 1  # every usable row equally often
+        # resuming from the state gives the same continuation
+        d = T.DataCursor(40, lengths, 4, seed=1, group=group, **{k: v for k, v in c.state().items()
+                                                                 if k in ("epoch", "pos", "pending")})
+        assert [c.next_batch() for _ in range(7)] == [d.next_batch() for _ in range(7)]
+    c = T.DataCursor(40, lengths, 4, seed=1, group=8)
+    batches = [c.next_batch() for _ in range(7)]  # one of the group's 8 batches stays pending
+    spread = [max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches]
+    assert np.mean(spread) < 10  # length-sorted groups: little padding inside a batch
+    # a regenerated set with a row missing: the pending batch skips it
+    fewer = dict(lengths)
+    pend = c.state()["pending"]
+    del fewer[pend[0][0]]
+    e = T.DataCursor(40, fewer, 4, seed=1, group=8, epoch=c.epoch, pos=c.pos, pending=pend)
+    assert e.next_batch() == pend[0][1:]
+
+
+def test_resume_with_regenerated_data(target, dataset, tmp_path):
+    """A set regenerated with one row dropped: resume continues (warning), a set of another
+    index space is refused."""
+    cfg = _small_config(target, tmp_path / "r", dataset, steps=8, batch_size=4, num_anchors=8)
+    T.train(cfg, log=None, stop_after_steps=3)
+    rows = [json.loads(x) for x in dataset.read_text().splitlines()]
+    regen = tmp_path / "regen.jsonl"
+    rows[4]["dropped"] = "loop"
+    regen.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "regen.jsonl.meta.json").write_text(json.dumps(D.read_meta(dataset)))
+    said = []
+    res = T.train(_small_config(target, tmp_path / "r", regen, steps=8, batch_size=4, num_anchors=8), resume=True,
+                  log=said.append)
+    assert res["step"] == 8 and any("usable rows" in m for m in said)
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in rows[:6]))
+    with pytest.raises(ValueError, match="index space"):
+        T.train(_small_config(target, tmp_path / "r", other, steps=8, batch_size=4, num_anchors=8), resume=True,
+                log=None)
+
+
+def test_packed_dataset_loops_and_prompt_sources(target, dataset, tmp_path):
+    rows = [json.loads(x) for x in dataset.read_text().splitlines()]
+    packed = tmp_path / "d.npz.xz"
+    files = D.pack_dataset(dataset, packed, part_bytes=300)
+    assert len(files) > 1 and all(f.stat().st_size <= 300 for f in files) and not packed.exists()
+    a, b = D.load_dataset(dataset), D.load_dataset(packed)
+    assert [(s.index, s.source, s.prompt_ids, s.response_ids) for s in a] == \
+        [(s.index, s.source, s.prompt_ids, s.response_ids) for s in b]
+    assert D.read_meta(packed)["num_prompts"] == len(rows)
+    n_tokens = sum(len(s.ids) for s in a)
+    assert sum(f.stat().st_size for f in files) < 2 * n_tokens + 600  # uint16 + xz
+    # loops: the onset of a repeated unit running to the end
+    assert D.find_loop([5] * 10 + [1, 2, 3] * 20) == (10, 3)
+    assert D.find_loop(list(range(200))) is None
+    assert D.find_loop(list(range(50)) + list(range(100, 140)) * 3) == (50, 40)
+    # GSM8K variants, compressed prompt files with sources, stdlib code prompts
+    gsm = tmp_path / "g.jsonl.xz"
+    import lzma
+    gsm.write_bytes(lzma.compress(b'{"question": "What is 2+2?", "answer": "4"}\n'))
+    pf = tmp_path / "p.jsonl"
+    pf.write_text(json.dumps({"prompt": "hello", "source": "mine"}) + "\n")
+    items = D.collect_prompts(gsm8k=str(gsm), prompts=[str(pf)], gsm8k_variants=("plain", "reason"), code_stdlib=5)
+    by = {}
+    for it in items:
+        by.setdefault(it.source, []).append(it.messages[0]["content"])
+    assert by["gsm8k"] == ["What is 2+2?"] and by["gsm8k_reason"] == ["What is 2+2?" + D.GSM8K_REASON]
+    assert by["mine"] == ["hello"] and len(by["code"]) == 5
+    assert all(c.startswith("Write a solution") and "def " in c and "```python" in c for c in by["code"])
+
+
+def test_self_prompts_and_truncated_loops(target, tmp_path):
+    session = dflash.Session(target, device="cpu", num_threads=2)
+    header = D.user_turn_header(session.tokenizer)
+    assert header.endswith("user\n") and "<|im_start|>" in header
+    f1, f2 = tmp_path / "s1.jsonl", tmp_path / "s2.jsonl"
+    n1 = D.generate_self_prompts(target, f1, 5, seed=3, session=session, openings=("", "Write"), min_chars=4)
+    n2 = D.generate_self_prompts(target, f2, 5, seed=3, session=session, openings=("", "Write"), min_chars=4)
+    assert n1 == n2 and f1.read_text() == f2.read_text()  # deterministic
+    items = D.load_prompt_file(f1)
+    assert len(items) == n1 and all(i.source == "self" for i in items)
+    out = tmp_path / "t.jsonl"
+    meta = D.generate_dataset(target, items or [D.PromptItem("x", messages=[{"role": "user", "content": "hi"}])], out,
+                              max_tokens=48, loop_policy="truncate", session=session)
+    assert meta["complete"] and meta["params"]["loop_policy"] == "truncate"
+    for r in (json.loads(x) for x in out.read_text().splitlines()):
+        if r.get("truncated") == "loop":  # cut after two copies of the unit: still periodic at the end
+            assert D.find_loop(r["response_ids"], min_copies=2, min_tokens=2) is not None
+
+
+def test_device_run_end_to_end_cpu(target, tmp_path):
+    """The driver twice on the CPU: a first call generates data, trains a few steps and returns a
+    compact state + the packed data; a second call on a "fresh machine" (new work dir) resumes
+    from the carried state and data and continues the step counter."""
+    from dflash.train import device_run
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(QUESTIONS) + "\n", encoding="utf-8")
+    common = ["run", "--target", str(target), "--device", "cpu", "--threads", "2", "--minutes", "6",
+              "--gen-minutes", "2", "--prompts", str(prompts), "--self-prompts", "4", "--max-new-tokens", "24",
+              "--num-layers", "1", "--block-size", "4", "--target-layer-ids", "0,1", "--steps", "12",
+              "--batch-size", "4", "--num-anchors", "16", "--holdout", "3", "--tau-prompts", "3",
+              "--tau-max-tokens", "12", "--warmup-steps", "2", "--log-every", "2", "--state-part-mib", "0.1"]
+    out1, out2 = tmp_path / "out1", tmp_path / "out2"
+    assert device_run.main(common + ["--work", str(tmp_path / "w1"), "--out", str(out1), "--return-data",
+                                     "--max-steps-here", "5"]) == 0
+    rep = json.loads((out1 / "report.json").read_text())
+    assert rep["data"]["source"] == "generated" and rep["data"]["num_prompts"] == len(QUESTIONS) + 4
+    assert rep["train"]["step"] == 5 and rep["train"]["resume_from"] == "fresh"
+    assert rep["tau"]["prompts"] == 3 and rep["tau"]["tau"] >= 1.0
+    files = [p for p in out1.rglob("*") if p.is_file()]
+    assert len(files) <= device_run.COUNT_LIMIT and all(f.stat().st_size <= 0.1 * 2**20 for f in
+                                                          (out1 / "state").glob("state.part*"))
+    assert (out1 / "state" / "state.json").is_file() and (out1 / "data" / "data.npz.xz").is_file()
+    assert device_run.main(common + ["--work", str(tmp_path / "w2"), "--out", str(out2), "--state-in",
+                                     str(out1 / "state"), "--data-in", str(out1 / "data" / "data.npz.xz")]) == 0
+    rep2 = json.loads((out2 / "report.json").read_text())
+    assert rep2["data"]["source"].startswith("carried") and rep2["train"]["step"] == 12
+    assert rep2["train"]["steps_here"] == 7 and rep2["train"]["resume_from"].startswith("carried")
+    steps = [json.loads(x)["step"] for x in (out2 / "state" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[:2] == [2, 4] and steps[-1] == 12  # the history of both calls
+    exported = tmp_path / "exported"
+    assert device_run.main(["export", "--state", str(out2 / "state"), "--out", str(exported)]) == 0
+    sess = dflash.Session(target, draft=exported, device="cpu", num_threads=2)
+    assert len(sess.propose([5, 6, 7])[0]) == 3
+
+
+def test_mask_token_fallback_without_spare_row():
+    """SmolLM2 has no spare embedding row: the highest unnamed special token (<empty_output>)."""
+    from dflash.default_model import _installed_gguf, cache_root
+
+    if _installed_gguf() is None and not (cache_root() / "models" / "SmolLM2-135M-Instruct-Q4_1").is_dir():
+        pytest.skip("SmolLM2 not available")
+    from dflash.default_model import default_model_dir
+    assert T._resolve_mask_token(str(default_model_dir()), 49152) == 16

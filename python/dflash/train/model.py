@@ -19,9 +19,12 @@
 # This is the block-diagonal mask over [context | block_0 | ... | block_N-1] of
 # training.md 2.5, computed without materializing the N*B x N*B part: each
 # query's scores are [context scores (masked) | own-block scores] and one
-# softmax runs over that row ("eager"); the "sdpa" variant passes the dense
-# block-diagonal bool mask to F.scaled_dot_product_attention instead (fused
-# kernels on CUDA; same result).  Math conventions follow the reference
+# softmax runs over that row ("eager"); the "sdpa" variant calls
+# F.scaled_dot_product_attention (fused kernels on CUDA; same result) on groups
+# of G blocks: the queries of G blocks against [context | those G blocks] with
+# a bool mask (context rule + block-diagonal), so the masked-out waste is G*B
+# keys per query instead of N*B (G = sdpa_group_blocks; 0: all blocks in one
+# group, i.e. the dense [context | block_0 .. block_N-1] mask).  Math conventions follow the reference
 # (tests/reference/dflash_reference.py): fp32 RMSNorm, RoPE rotate-half with
 # inv_freq = 1 / theta^(2i/hd) in fp32, softmax in fp32, scale hd^-0.5,
 # query head h uses kv head h // (nh / nkv).
@@ -39,7 +42,8 @@ from torch import nn
 
 from dflash.drafter_format import build_target_layer_ids, target_rope_theta, write_dflash_drafter
 
-__all__ = ["DrafterConfig", "DFlashDrafter", "dense_block_mask", "target_rope_theta", "frozen_target_tensors"]
+__all__ = ["DrafterConfig", "DFlashDrafter", "dense_block_mask", "grouped_block_mask", "target_rope_theta",
+           "frozen_target_tensors"]
 
 
 @dataclass
@@ -194,7 +198,7 @@ class Attention(nn.Module):
         ctx: torch.Tensor,  # [b, S, H] context hidden (hidden_norm(fc(F)))
         rope_c: tuple[torch.Tensor, torch.Tensor],  # cos/sin [b, S, hd]
         ctx_mask: torch.Tensor,  # [b, N, S] bool, True = block j may see context t
-        dense_mask: torch.Tensor | None = None,  # [b, 1, N*B, S+N*B] bool (sdpa path) or None (eager)
+        dense_mask: tuple[torch.Tensor, int] | None = None,  # sdpa: (grouped_block_mask, G) or None (eager)
     ) -> torch.Tensor:
         b, n, bs, _ = x.shape
         s = ctx.shape[1]
@@ -209,13 +213,22 @@ class Attention(nn.Module):
         dt = vb.dtype  # bf16 under CUDA autocast, fp32 otherwise
         q, kb, kc = q.to(dt), kb.to(dt), kc.to(dt)
         scale = hd ** -0.5
-        if dense_mask is not None:  # "sdpa": one fused call over [context | all blocks]
-            qh = q.reshape(b, n * bs, self.nh, hd).transpose(1, 2)
-            k = torch.cat((kc, kb.reshape(b, n * bs, nkv, hd)), dim=1).transpose(1, 2)
-            v = torch.cat((vc, vb.reshape(b, n * bs, nkv, hd)), dim=1).transpose(1, 2)
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=dense_mask, scale=scale)
-            return self.o_proj(o.transpose(1, 2).reshape(b, n, bs, self.nh * hd))
+        if dense_mask is not None:  # "sdpa": fused calls, G blocks against [context | those G blocks]
+            mask, g = dense_mask
+            n_pad = mask.shape[0] // b * g
+            ng = n_pad // g
+            qh = q.reshape(b, n, bs, self.nh, hd)
+            if n_pad > n:  # zero padding blocks: they see only their own (zero) keys, then are cut off
+                pad = (0, 0, 0, 0, 0, 0, 0, n_pad - n)
+                qh, kb, vb = F.pad(qh, pad), F.pad(kb, pad), F.pad(vb, pad)
+            qh = qh.reshape(b * ng, g * bs, self.nh, hd).transpose(1, 2)
+            k = torch.cat((kc[:, None].expand(b, ng, s, nkv, hd), kb.reshape(b, ng, g * bs, nkv, hd)), dim=2)
+            v = torch.cat((vc[:, None].expand(b, ng, s, nkv, hd), vb.reshape(b, ng, g * bs, nkv, hd)), dim=2)
+            k = k.reshape(b * ng, s + g * bs, nkv, hd).transpose(1, 2).repeat_interleave(rep, dim=1)
+            v = v.reshape(b * ng, s + g * bs, nkv, hd).transpose(1, 2).repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+            o = o.transpose(1, 2).reshape(b, n_pad, bs, self.nh * hd)[:, :n]
+            return self.o_proj(o)
         # scores [b, nkv, rep, N, B, S] (context) and [b, nkv, rep, N, B, B] (own block)
         sc = torch.einsum("bnqgrd,bsgd->bgrnqs", q, kc).float() * scale
         sb = torch.einsum("bnqgrd,bnkgd->bgrnqk", q, kb).float() * scale
@@ -257,11 +270,24 @@ class DecoderLayer(nn.Module):
 def dense_block_mask(ctx_mask: torch.Tensor, block_size: int) -> torch.Tensor:
     """[b, 1, N*B, S+N*B] bool over [context | block_0 .. block_N-1] keys: query (j, k)
     sees context t where ctx_mask[j, t] and every key of block j (training.md 2.5)."""
+    return grouped_block_mask(ctx_mask, block_size, 0)[0]
+
+
+def grouped_block_mask(ctx_mask: torch.Tensor, block_size: int, group_blocks: int) -> tuple[torch.Tensor, int]:
+    """The sdpa mask for groups of G = group_blocks blocks (0: all N in one group): returns
+    ([b * N'/G, 1, G*B, S + G*B] bool, G) with N' = N rounded up to a multiple of G; the
+    rows of group i are its G blocks, the keys [context | its G blocks]; padding blocks see
+    only their own keys."""
     b, n, s = ctx_mask.shape
-    ctx = ctx_mask[:, :, None, :].expand(b, n, block_size, s).reshape(b, n * block_size, s)
-    blk = torch.arange(n, device=ctx_mask.device).repeat_interleave(block_size)
-    same = (blk[:, None] == blk[None, :])[None].expand(b, -1, -1)
-    return torch.cat((ctx, same), dim=-1)[:, None]
+    g = n if group_blocks <= 0 else max(1, min(n, int(group_blocks)))
+    n_pad = -(-n // g) * g
+    if n_pad > n:
+        ctx_mask = F.pad(ctx_mask, (0, 0, 0, n_pad - n), value=False)
+    ng = n_pad // g
+    ctx = ctx_mask.reshape(b, ng, g, 1, s).expand(b, ng, g, block_size, s).reshape(b * ng, g * block_size, s)
+    blk = torch.arange(g, device=ctx_mask.device).repeat_interleave(block_size)
+    same = (blk[:, None] == blk[None, :])[None].expand(b * ng, -1, -1)
+    return torch.cat((ctx, same), dim=-1)[:, None], g
 
 
 def frozen_target_tensors(target_model: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -302,14 +328,20 @@ class DFlashDrafter(nn.Module):
                                                   / config.head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
         self.attn_impl = "eager"  # or "sdpa" (see set_attention)
+        self.sdpa_group_blocks = 32
 
-    def set_attention(self, impl: str) -> "DFlashDrafter":
+    def set_attention(self, impl: str, group_blocks: int | None = None) -> "DFlashDrafter":
         """"eager": [masked context | own block] scores, softmax in fp32 (exact, memory
-        O(N*B*(S+B)) per head); "sdpa": one F.scaled_dot_product_attention over
-        [context | all blocks] with the dense block-diagonal bool mask (fused kernels on CUDA)."""
+        O(N*B*(S+B)) per head); "sdpa": F.scaled_dot_product_attention over groups of
+        `group_blocks` blocks against [context | the group's blocks] with a bool mask
+        (fused kernels on CUDA; 0: one group of all blocks, the dense mask)."""
         if impl not in ("eager", "sdpa"):
             raise ValueError(f"attention must be 'eager' or 'sdpa', got {impl!r}")
         self.attn_impl = impl
+        if group_blocks is not None:
+            if int(group_blocks) < 0:
+                raise ValueError(f"sdpa group size must be >= 0, got {group_blocks}")
+            self.sdpa_group_blocks = int(group_blocks)
         return self
 
     # ---------------------------------------------------------------- init / io
@@ -374,7 +406,8 @@ class DFlashDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(ctx_feats.to(self.fc.weight.dtype)))
         rope_b, rope_c = self.rope(block_pos), self.rope(ctx_pos)
         x = self.embed(block_ids)
-        dense = dense_block_mask(ctx_mask, block_ids.shape[2]) if self.attn_impl == "sdpa" else None
+        dense = (grouped_block_mask(ctx_mask, block_ids.shape[2], self.sdpa_group_blocks)
+                 if self.attn_impl == "sdpa" else None)
         for layer in self.layers:
             x = layer(x, rope_b, ctx, rope_c, ctx_mask, dense)
         return self.norm(x)

@@ -2,21 +2,36 @@
 #
 # The training loop of `dflash train` (training.md 4 and 7): AdamW over fp32
 # master weights, linear warmup then cosine decay, gradient clipping, bf16
-# autocast on CUDA (fp32 on the CPU), JSONL metrics, periodic checkpoints, a
-# wall-clock budget, and the final export in the published format.
+# autocast on CUDA (fp32 on the CPU unless amp="bf16"), JSONL metrics, periodic
+# checkpoints, a wall-clock budget, and the final export in the published format.
 #
-# One training run may span several short invocations: <out>/checkpoint/state.pt
-# holds the model, optimizer, scheduler, step, RNG states (anchor generator,
-# torch) and the data cursor (epoch, position in that epoch's permutation), so
-# `resume=True` continues exactly where the previous invocation stopped (on the
-# CPU the weights are bit-identical to an uninterrupted run).  `max_minutes`
-# stops before a step that would not finish in time (keeping `reserve_seconds`
-# for saving), then checkpoints and exports.  The export (<out>/drafter/:
-# config.json + model.safetensors) is what `dflash.Session(target, draft=...)`
-# loads.
+# One training run may span several short invocations: <out>/checkpoint/ holds the
+# model, optimizer, scheduler, step, RNG states (anchor generator, torch) and the
+# data cursor, so `resume=True` continues where the previous invocation stopped.
+# state_format "torch" (state.pt) resumes bit-exactly (on the CPU the weights equal
+# an uninterrupted run's); "bf16" / "int8" write a compact state (state.json +
+# state.partNN files of at most state_part_mib MiB, see state.py) that travels
+# through transfer limits and resumes approximately (weights rounded to bf16 once,
+# 8-bit Adam moments).  `max_minutes` stops before a step that would not finish in
+# time (keeping `reserve_seconds` for saving), then checkpoints and exports.  The
+# export (<out>/drafter/: config.json + model.safetensors) is what
+# `dflash.Session(target, draft=...)` loads.
 #
-# Files under <out>: data.jsonl (default data path), metrics.jsonl,
-# checkpoint/state.pt, drafter/, train_summary.json.
+# Data order: the cursor walks seeded permutations of the set's INDEX SPACE (the
+# prompt indices 0..num_prompts-1, stable when a set is regenerated from the same
+# prompts), skipping indices without a usable row, so a regenerated set whose rows
+# differ slightly (bf16 noise, a row dropped) resumes at the same place.  With
+# group_batches = k > 1, k*batch_size consecutive indices are sorted by length and
+# cut into k batches that run in a seeded random order (less padding).  `holdout`
+# keeps the last indices out of training for teacher-forced evaluation.
+#
+# plan_minutes: the total number of steps is set after a few calibration steps of
+# the first invocation from the measured step time (plan_minutes of pure training
+# spread over all invocations), so that the cosine schedule ends when the planned
+# time is spent.
+#
+# Files under <out>: data.jsonl (default data path), metrics.jsonl, checkpoint/,
+# drafter/, train_summary.json, train_config.json.
 from __future__ import annotations
 
 import json
@@ -32,11 +47,13 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from dflash.train.data import Sample, load_dataset
+from dflash.train import state as ckpt
+from dflash.train.data import Sample, load_dataset, read_meta
 from dflash.train.model import DFlashDrafter, DrafterConfig, frozen_target_tensors
 from dflash.train.objective import collate, default_gamma, dflash_loss, eval_anchors, sample_anchors
 
-__all__ = ["TrainConfig", "DataCursor", "lr_lambda", "resolve_config", "train", "evaluate", "RUNTIME_KEYS"]
+__all__ = ["TrainConfig", "DataCursor", "lr_lambda", "resolve_config", "train", "evaluate", "probe_attention",
+           "export_from_checkpoint", "RUNTIME_KEYS"]
 
 
 @dataclass
@@ -47,6 +64,7 @@ class TrainConfig:
     out: str = ""
     data: str | None = None  # default <out>/data.jsonl
     eval_data: str | None = None  # held-out rows (same format), teacher-forced metrics
+    holdout: int = 0  # the last `holdout` indices of the data set: not trained on, evaluated (without eval_data)
     # drafter
     num_layers: int = 5
     block_size: int = 8
@@ -72,6 +90,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     warmup_ratio: float = 0.04
+    warmup_steps: int | None = None  # overrides warmup_ratio
+    plan_minutes: float | None = None  # set `steps` from the step time measured at the start (see header)
+    group_batches: int = 1  # sort k batches' worth of rows by length, then shuffle the batches
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
@@ -84,18 +105,25 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate at the end only
     export_dtype: str = "float32"
-    attention: str = "auto"  # "eager" | "sdpa"; auto: sdpa on CUDA, eager on the CPU
+    attention: str = "auto"  # "eager" | "sdpa"; auto: the faster of the two on CUDA (timed), eager on the CPU
+    sdpa_group_blocks: int = 32  # blocks per fused attention call of "sdpa" (0: all)
+    amp: str = "auto"  # "bf16" | "off"; auto: bf16 autocast on CUDA, off on the CPU
+    state_format: str = "torch"  # "torch" (exact) | "bf16" | "int8" (compact parts, see state.py)
+    state_part_mib: float = 15.0  # largest compact-state part file
 
 
-# Fields that may differ when resuming; every other field must match the checkpoint.
-RUNTIME_KEYS = frozenset({"device", "max_minutes", "reserve_seconds", "save_every", "log_every", "eval_every",
-                          "export_dtype", "eval_data", "ce_chunk_rows", "attention"})
+# Fields that may differ when resuming; every other field must match the checkpoint.  The
+# target and data paths may move between machines (the data's index space is checked
+# against the cursor; a different target fails at loading unless it has the same shapes).
+RUNTIME_KEYS = frozenset({"target", "data", "device", "max_minutes", "reserve_seconds", "save_every", "log_every", "eval_every",
+                          "export_dtype", "eval_data", "ce_chunk_rows", "attention", "sdpa_group_blocks", "amp",
+                          "state_format", "state_part_mib", "plan_minutes"})
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _ckpt_path(out: str | os.PathLike) -> Path:
-    return Path(out) / "checkpoint" / "state.pt"
+def _ckpt_dir(out: str | os.PathLike) -> Path:
+    return Path(out) / "checkpoint"
 
 
 def resolve_config(options: Mapping[str, Any] | TrainConfig, resume: bool) -> tuple[TrainConfig, dict | None]:
@@ -118,15 +146,18 @@ def resolve_config(options: Mapping[str, Any] | TrainConfig, resume: bool) -> tu
         raise ValueError(f"unknown training options {unknown}")
     if not opts.get("out"):
         raise ValueError("an output directory (--out) is required")
-    ckpt_file = _ckpt_path(opts["out"])
-    if ckpt_file.exists() and not resume:
-        raise ValueError(f"{ckpt_file} exists: pass --resume to continue that run, or use another --out")
-    if resume and ckpt_file.exists():
-        state = torch.load(ckpt_file, map_location="cpu", weights_only=False)
+    found = ckpt.find_checkpoint(_ckpt_dir(opts["out"]))
+    if found is not None and not resume:
+        raise ValueError(f"a checkpoint exists in {found[1]}: pass --resume to continue that run, "
+                         "or use another --out")
+    if resume and found is not None:
+        state = ckpt.load_checkpoint(_ckpt_dir(opts["out"]))
         saved = dict(state["config"])
         for k, v in opts.items():
             if k in RUNTIME_KEYS or k == "out":
                 continue
+            if k == "steps" and saved.get("plan_minutes") is not None:
+                continue  # set by the time plan
             if v is not None and _norm(v) != _norm(saved.get(k)):
                 raise ValueError(f"--{k.replace('_', '-')} {v!r} differs from the checkpoint's {saved.get(k)!r}; "
                                  "only run-control options may change on --resume")
@@ -149,9 +180,10 @@ def _norm(v: Any) -> Any:
     return v
 
 
-def lr_lambda(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
+def lr_lambda(step: int, total: int, warmup_ratio: float, min_ratio: float, warmup_steps: int | None = None
+              ) -> float:
     """LR multiplier after `step` optimizer steps: linear warmup, then cosine to min_ratio."""
-    warm = max(1, int(round(warmup_ratio * total)))
+    warm = max(1, int(warmup_steps) if warmup_steps is not None else int(round(warmup_ratio * total)))
     if step < warm:
         return (step + 1) / warm
     progress = min(1.0, (step - warm) / max(1, total - warm))
@@ -159,44 +191,80 @@ def lr_lambda(step: int, total: int, warmup_ratio: float, min_ratio: float) -> f
 
 
 class DataCursor:
-    """Epoch-wise seeded permutations; state = (epoch, position)."""
+    """Which rows each batch takes (see the header): seeded permutations of the index space
+    [0, n), unusable indices skipped, optional length grouping.  State: epoch, pos (in the
+    epoch's permutation) and the batches still pending from the current group."""
 
-    def __init__(self, n: int, seed: int, epoch: int = 0, pos: int = 0) -> None:
-        if n < 1:
+    def __init__(self, n: int, lengths: Mapping[int, int], batch_size: int, seed: int, group: int = 1,
+                 epoch: int = 0, pos: int = 0, pending: list[list[int]] | None = None) -> None:
+        if not lengths:
             raise ValueError("the training set is empty")
-        self.n, self.seed, self.epoch, self.pos = n, int(seed), int(epoch), int(pos)
+        if n < 1 or max(lengths) >= n:
+            raise ValueError(f"row indices must lie in [0, {n})")
+        self.n, self.lengths, self.bs = int(n), dict(lengths), max(1, int(batch_size))
+        self.seed, self.group = int(seed), max(1, int(group))
+        self.epoch, self.pos = int(epoch), int(pos)
+        self.pending = [list(b) for b in (pending or [])]
         self._perm = self._permutation(self.epoch)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n)
 
-    def next(self, k: int) -> list[int]:
+    def _take(self, k: int) -> list[int]:
         out: list[int] = []
+        scanned = 0
         while len(out) < k:
             if self.pos >= self.n:
                 self.epoch, self.pos = self.epoch + 1, 0
                 self._perm = self._permutation(self.epoch)
-            take = min(k - len(out), self.n - self.pos)
-            out += [int(i) for i in self._perm[self.pos:self.pos + take]]
-            self.pos += take
+            i = int(self._perm[self.pos])
+            self.pos += 1
+            scanned += 1
+            if i in self.lengths:
+                out.append(i)
+            elif scanned > 2 * self.n + k:
+                raise ValueError("no usable row in the index space")
         return out
+
+    def next_batch(self) -> list[int]:
+        while self.pending:
+            batch = [i for i in self.pending.pop(0) if i in self.lengths]
+            if batch:
+                return batch
+        if self.group == 1:
+            return self._take(self.bs)
+        start = (self.epoch, self.pos)
+        rows = self._take(self.bs * self.group)
+        rows.sort(key=lambda i: (self.lengths[i], i))
+        batches = [rows[j:j + self.bs] for j in range(0, len(rows), self.bs)]
+        order = np.random.default_rng([self.seed, start[0], start[1], 7]).permutation(len(batches))
+        self.pending = [batches[int(j)] for j in order]
+        return self.pending.pop(0)
 
     @property
     def epoch_float(self) -> float:
         return self.epoch + self.pos / self.n
 
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos, "n": self.n}
+    def state(self) -> dict[str, Any]:
+        return {"version": 2, "epoch": self.epoch, "pos": self.pos, "n": self.n, "pending": self.pending,
+                "usable": len(self.lengths)}
 
 
-def _examples(samples: list[Sample], max_seq_len: int) -> list[tuple[list[int], int]]:
-    """(ids, prompt length), truncated to max_seq_len, keeping rows with >= 2 response tokens."""
-    out = []
-    for s in samples:
+def _examples(samples: list[Sample], max_seq_len: int) -> dict[int, tuple[list[int], int]]:
+    """index -> (ids, prompt length), truncated to max_seq_len, for rows with >= 2 response
+    tokens left (rows without an index are numbered in file order)."""
+    out: dict[int, tuple[list[int], int]] = {}
+    for n, s in enumerate(samples):
         ids = s.ids[:max_seq_len]
         if len(ids) - len(s.prompt_ids) >= 2:
-            out.append((ids, len(s.prompt_ids)))
+            out[s.index if s.index >= 0 else n] = (ids, len(s.prompt_ids))
     return out
+
+
+def _index_space(path: str, samples: list[Sample]) -> int:
+    meta = read_meta(path) or {}
+    top = max((s.index if s.index >= 0 else n for n, s in enumerate(samples)), default=-1) + 1
+    return max(int(meta.get("num_prompts") or 0), top)
 
 
 def _resolve_mask_token(target_dir: str, vocab_size: int) -> int:
@@ -209,8 +277,22 @@ def _resolve_mask_token(target_dir: str, vocab_size: int) -> int:
         return int(tok.token_to_id(mask))  # type: ignore[arg-type]
     if tok.vocab_size < vocab_size:
         return int(tok.vocab_size)
-    raise ValueError(f"the target's embedding table has no unused row (vocab {vocab_size}) and no mask token: "
-                     "pass --mask-token-id (a special token that never occurs in the data)")
+    # No spare row (SmolLM2: 49152 = 49152): the highest-id special token that is none of the
+    # named ones (bos/eos/pad/unk...), e.g. SmolLM2's <empty_output> (16); its frozen
+    # embedding row serves as the mask embedding (training.md 7).  The trainer warns when it
+    # occurs in the data.
+    named = {v for v in tok.special_tokens.values() if isinstance(v, str)}
+    named_ids = {tok.token_to_id(v) for v in named} | set(getattr(tok, "eos_token_ids", ()) or ())
+    try:
+        added = tok.backend.get_added_tokens_decoder()
+    except AttributeError:
+        added = {}
+    spare = [int(i) for i, a in added.items()
+             if getattr(a, "special", False) and int(i) not in named_ids and 0 <= int(i) < vocab_size]
+    if spare:
+        return max(spare)
+    raise ValueError(f"the target's embedding table has no unused row (vocab {vocab_size}) and no spare special "
+                     "token: pass --mask-token-id (a special token that never occurs in the data)")
 
 
 def _device(name: str) -> torch.device:
@@ -234,10 +316,19 @@ def load_target(cfg: TrainConfig, device: torch.device) -> Any:
     return model
 
 
-def _autocast(device: torch.device) -> Any:
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+def _amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    if cfg.amp not in ("auto", "bf16", "off"):
+        raise ValueError(f"amp must be auto, bf16 or off, got {cfg.amp!r}")
+    if cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None = torch.bfloat16) -> Any:
+    """bf16 autocast on `device` (dtype None: disabled)."""
+    if dtype is None:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype)
 
 
 class _Window:
@@ -275,6 +366,7 @@ class _Window:
             "grad_norm": self.grad_norm / max(1, self.steps - self.skipped),
             "tokens_per_s": self.tokens / dt,
             "supervised_per_s": self.supervised / dt,
+            "step_s": dt / max(1, self.steps),
             "skipped": self.skipped,
         }
 
@@ -286,10 +378,11 @@ def evaluate(drafter: DFlashDrafter, target: Any, examples: list[tuple[list[int]
     was_training = drafter.training
     drafter.eval()
     w = _Window(cfg.block_size)
+    amp = _amp_dtype(cfg, device)
     for i in range(0, len(examples), cfg.batch_size):
         batch = collate(examples[i:i + cfg.batch_size])
         anchors, keep = eval_anchors(batch, cfg.num_anchors)
-        with _autocast(device):
+        with _autocast(device, amp):
             _, st = dflash_loss(drafter, target, batch.to(device), anchors, keep, gamma=gamma,
                                 chunk_rows=cfg.ce_chunk_rows)
         w.add(st, 0.0)
@@ -298,18 +391,54 @@ def evaluate(drafter: DFlashDrafter, target: Any, examples: list[tuple[list[int]
     return {k: row[k] for k in ("loss", "acc", "sim_al")} | {"rows": len(examples)}
 
 
-def _save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-
-
 def _rng_state(device: torch.device) -> dict[str, Any]:
     st: dict[str, Any] = {"torch": torch.get_rng_state()}
     if device.type == "cuda":
         st["cuda"] = torch.cuda.get_rng_state_all()
     return st
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def probe_attention(drafter: DFlashDrafter, target: Any, examples: list[tuple[list[int], int]], cfg: TrainConfig,
+                    device: torch.device, gamma: float, impls: tuple[str, ...] = ("eager", "sdpa"),
+                    repeats: int = 2, log: Callable[[str], None] | None = None) -> dict[str, float]:
+    """Seconds per forward+backward of each attention implementation on one batch of the
+    longest rows (inf when it fails, e.g. out of memory); parameters and the training RNG
+    streams are left untouched (anchors come from a generator of their own)."""
+    longest = sorted(examples, key=lambda e: -len(e[0]))[: cfg.batch_size]
+    batch = collate(longest)
+    anchors, keep = sample_anchors(batch, cfg.num_anchors, torch.Generator().manual_seed(12345))
+    amp = _amp_dtype(cfg, device)
+    times: dict[str, float] = {}
+    for impl in impls:
+        drafter.set_attention(impl, cfg.sdpa_group_blocks)
+        try:
+            for r in range(repeats + 1):
+                if r == 1:
+                    _sync(device)
+                    t0 = time.monotonic()
+                with _autocast(device, amp):
+                    loss, _ = dflash_loss(drafter, target, batch.to(device), anchors, keep, gamma=gamma,
+                                          chunk_rows=cfg.ce_chunk_rows)
+                loss.backward()
+                drafter.zero_grad(set_to_none=True)
+            _sync(device)
+            times[impl] = (time.monotonic() - t0) / repeats
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as e:  # noqa: PERF203
+            drafter.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            times[impl] = float("inf")
+            if log is not None:
+                log(f"train: attention {impl} failed in the probe: {str(e).splitlines()[0][:200]}")
+        if log is not None:
+            log(f"train: attention probe {impl}: {times[impl]:.4f} s per forward+backward "
+                f"({len(longest)} longest rows, {int(keep.sum())} blocks)")
+    return times
 
 
 def train(
@@ -326,8 +455,8 @@ def train(
     with a time stop).  start_time: time.monotonic() of the process start, so that
     max_minutes also covers loading.  The summary (also written to OUT/train_summary.json)
     has step, steps, stopped ("done" | "time" | "signal" | "stop_after_steps"), epoch, rows,
-    eval (when eval_data is set), drafter (the export directory); the returned dict also
-    holds "model", the trained DFlashDrafter.
+    eval (when eval_data or holdout is set), drafter (the export directory), checkpoint (its
+    files); the returned dict also holds "model", the trained DFlashDrafter.
     """
     t_start = time.monotonic() if start_time is None else start_time
     say = log or (lambda _m: None)
@@ -335,18 +464,33 @@ def train(
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     device = _device(cfg.device)
+    if cfg.state_format not in ckpt.STATE_FORMATS:
+        raise ValueError(f"state_format must be one of {ckpt.STATE_FORMATS}, got {cfg.state_format!r}")
+    amp = _amp_dtype(cfg, device)
     torch.manual_seed(cfg.seed)
 
     # ---------------------------------------------------------------- data, target, drafter
-    if not cfg.data or not Path(cfg.data).exists():
+    if not cfg.data or not (Path(cfg.data).exists() or Path(cfg.data + ".part00").exists()):
         raise ValueError(f"training data {cfg.data!r} not found (build it with --gsm8k/--prompts/--sharegpt)")
-    examples = _examples(load_dataset(cfg.data), cfg.max_seq_len)
+    samples = load_dataset(cfg.data)
+    n_space = _index_space(cfg.data, samples)
+    rows = _examples(samples, cfg.max_seq_len)
+    held = set(range(max(0, n_space - int(cfg.holdout)), n_space)) if cfg.holdout else set()
+    examples = {i: e for i, e in rows.items() if i not in held}
     if not examples:
         raise ValueError(f"{cfg.data}: no usable rows (need >= 2 response tokens within max_seq_len)")
-    eval_examples = _examples(load_dataset(cfg.eval_data), cfg.max_seq_len) if cfg.eval_data else []
-    if state is not None and int(state["cursor"]["n"]) != len(examples):
-        raise ValueError(f"{cfg.data} now has {len(examples)} usable rows, the checkpoint saw "
-                         f"{state['cursor']['n']}: resume with the same data")
+    if cfg.eval_data:
+        eval_examples = list(_examples(load_dataset(cfg.eval_data), cfg.max_seq_len).values())
+    else:
+        eval_examples = [rows[i] for i in sorted(held) if i in rows]
+    if state is not None:
+        c = state["cursor"]
+        if int(c.get("version", 1)) < 2 or int(c["n"]) != n_space:
+            raise ValueError(f"{cfg.data} has an index space of {n_space} rows, the checkpoint's data had "
+                             f"{c['n']}: resume with the same data (the same prompts)")
+        if int(c.get("usable", len(examples))) != len(examples):
+            say(f"train: warning: {len(examples)} usable rows now, {c['usable']} when the checkpoint was written "
+                "(regenerated data?); continuing at the same place of the index space")
     if cfg.epochs is not None and state is None:
         cfg.steps = max(1, math.ceil(cfg.epochs * len(examples) / cfg.batch_size))
     target = load_target(cfg, device)
@@ -369,7 +513,7 @@ def train(
             cfg.target_layer_ids = dcfg.target_layer_ids
     if cfg.gamma is None:
         cfg.gamma = default_gamma(dcfg.block_size)
-    hits = sum(ids.count(dcfg.mask_token_id) for ids, _ in examples)
+    hits = sum(ids.count(dcfg.mask_token_id) for ids, _ in examples.values())
     if hits:
         say(f"train: warning: the mask token {dcfg.mask_token_id} occurs {hits} times in the data; "
             "pick a --mask-token-id that never occurs")
@@ -378,43 +522,67 @@ def train(
     else:
         drafter = DFlashDrafter(dcfg, *frozen_target_tensors(target))
         drafter.reset_parameters(cfg.seed, std=cfg.init_std)
-    drafter.set_attention(cfg.attention if cfg.attention != "auto" else ("sdpa" if device.type == "cuda" else "eager"))
     drafter.to(device).train()
+    names = [n for n, _ in drafter.named_parameters()]
 
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay)
-    total = int(cfg.steps)
+    plan = {"total": int(cfg.steps)}
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_lambda(s, total, cfg.warmup_ratio, cfg.min_lr_ratio))
+        opt, lambda s: lr_lambda(s, plan["total"], cfg.warmup_ratio, cfg.min_lr_ratio, cfg.warmup_steps))
     anchor_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    cursor = DataCursor(len(examples), cfg.seed)
+    lengths = {i: len(e[0]) for i, e in examples.items()}
+    cursor = DataCursor(n_space, lengths, cfg.batch_size, cfg.seed, cfg.group_batches)
     step = 0
+    calibrated = cfg.plan_minutes is None
+    step_seconds = None if state is None else state.get("step_seconds")
     if state is not None:
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         step = int(state["step"])
+        calibrated = calibrated or bool(state.get("calibrated", True))
         anchor_gen.set_state(state["rng"]["anchors"])
         torch.set_rng_state(state["rng"]["torch"])
         if device.type == "cuda" and "cuda" in state["rng"]:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         c = state["cursor"]
-        cursor = DataCursor(len(examples), cfg.seed, c["epoch"], c["pos"])
-        say(f"train: resuming {out} at step {step}/{total}")
+        cursor = DataCursor(n_space, lengths, cfg.batch_size, cfg.seed, cfg.group_batches, c["epoch"], c["pos"],
+                            c.get("pending"))
+        enc = state.get("state_encoding", "torch")
+        step_s = state.get("step_seconds")
+        if cfg.plan_minutes is not None and step_s and state["config"].get("plan_minutes") != cfg.plan_minutes:
+            cfg.steps = max(step + 1, int(60.0 * float(cfg.plan_minutes) / float(step_s)))
+            say(f"train: new plan of {cfg.plan_minutes} minutes at {step_s:.4f} s/step: {cfg.steps} steps in all")
+        say(f"train: resuming {out} at step {step}/{cfg.steps} (state {enc})")
     else:
         (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
+    total = int(cfg.steps)
+    plan["total"] = total
     n_params = sum(p.numel() for p in drafter.parameters())
-    say(f"train: {len(examples)} rows, drafter {dcfg.num_layers} layers / {n_params / 1e6:.2f}M params, "
-        f"block {dcfg.block_size}, taps {dcfg.target_layer_ids}, mask {dcfg.mask_token_id}, gamma {cfg.gamma}, "
-        f"{total} steps x {cfg.batch_size} seqs on {device} ({drafter.attn_impl} attention)")
+    impl = cfg.attention
+    if impl == "auto":
+        impl = "eager"
+        if device.type == "cuda":
+            times = probe_attention(drafter, target, list(examples.values()), cfg, device, cfg.gamma, log=say)
+            impl = min(times, key=lambda k: times[k])
+    drafter.set_attention(impl, cfg.sdpa_group_blocks)
+    shapes = {n: list(p.shape) for n, p in drafter.named_parameters()}
+    say(f"train: {len(examples)} rows (index space {n_space}, {len(eval_examples)} held out), drafter "
+        f"{dcfg.num_layers} layers / {n_params / 1e6:.2f}M params, block {dcfg.block_size}, taps "
+        f"{dcfg.target_layer_ids}, mask {dcfg.mask_token_id}, gamma {cfg.gamma}, {total} steps x {cfg.batch_size} "
+        f"seqs on {device} ({drafter.attn_impl} attention, amp {amp}); state {cfg.state_format} "
+        f"~{ckpt.state_bytes_estimate(shapes, cfg.state_format) / 2**20:.1f} MiB")
+
+    target_json = json.loads(json.dumps(tcfg, default=str))
 
     def checkpoint(reason: str) -> None:
-        _save_checkpoint(_ckpt_path(out), {
-            "version": 1, "step": step, "config": asdict(cfg), "drafter_config": dcfg.to_dict(),
+        ckpt.save_checkpoint(_ckpt_dir(out), {
+            "version": 2, "step": step, "config": asdict(cfg), "drafter_config": dcfg.to_dict(),
             "model": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
             "cursor": cursor.state(), "rng": {"anchors": anchor_gen.get_state(), **_rng_state(device)},
-            "reason": reason,
-        })
+            "reason": reason, "calibrated": calibrated, "step_seconds": step_seconds, "target_config": target_json,
+        }, fmt=cfg.state_format, param_names=names, part_bytes=int(cfg.state_part_mib * 2**20))
 
     # ---------------------------------------------------------------- stop conditions
     stop = {"signal": False}
@@ -427,8 +595,10 @@ def train(
     metrics = open(out / "metrics.jsonl", "a", encoding="utf-8")
     window = _Window(dcfg.block_size)
     step_ema: float | None = None
+    calib_t: list[float] = []
     done_here = 0
     reason = "done"
+    t_loop = time.monotonic()
     try:
         while step < total:
             if stop["signal"]:
@@ -441,9 +611,9 @@ def train(
                 reason = "time"
                 break
             t_step = time.monotonic()
-            batch = collate([examples[i] for i in cursor.next(cfg.batch_size)])
+            batch = collate([examples[i] for i in cursor.next_batch()])
             anchors, keep = sample_anchors(batch, cfg.num_anchors, anchor_gen)
-            with _autocast(device):
+            with _autocast(device, amp):
                 loss, st = dflash_loss(drafter, target, batch.to(device), anchors, keep, gamma=cfg.gamma,
                                        chunk_rows=cfg.ce_chunk_rows)
             opt.zero_grad(set_to_none=True)
@@ -461,13 +631,24 @@ def train(
             window.add(st, grad_norm)
             dt = time.monotonic() - t_step
             step_ema = dt if step_ema is None else 0.9 * step_ema + 0.1 * dt
+            if not calibrated:
+                calib_t.append(dt)
+                if len(calib_t) >= 25:  # the first 5 steps (allocator, kernels) are not typical
+                    per_step = step_seconds = float(np.median(calib_t[5:]))
+                    total = max(step + 1, int(60.0 * float(cfg.plan_minutes) / per_step))  # type: ignore[arg-type]
+                    cfg.steps = plan["total"] = total
+                    calibrated = True
+                    say(f"train: {per_step:.4f} s per step -> {total} steps for the {cfg.plan_minutes} planned "
+                        f"minutes (cosine schedule fixed)")
+                    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n",
+                                                           encoding="utf-8")
             if step % max(1, cfg.log_every) == 0 or step == total:
                 row = {"step": step, "epoch": round(cursor.epoch_float, 4), "lr": opt.param_groups[0]["lr"],
                        **window.row(), "elapsed_s": round(time.monotonic() - t_start, 2)}
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
                 say(f"step {step}/{total} loss {row['loss']:.4f} acc1 {row['acc'][0]} sim_al {row['sim_al']:.2f} "
-                    f"lr {row['lr']:.2e} {row['tokens_per_s']:.0f} tok/s")
+                    f"lr {row['lr']:.2e} {row['step_s']:.3f} s/step {row['tokens_per_s']:.0f} tok/s")
                 window = _Window(dcfg.block_size)
             if cfg.save_every and step % cfg.save_every == 0 and step < total:
                 checkpoint("periodic")
@@ -475,17 +656,20 @@ def train(
                 ev = evaluate(drafter, target, eval_examples, cfg, device, cfg.gamma)
                 metrics.write(json.dumps({"step": step, "eval": ev}) + "\n")
                 metrics.flush()
+        train_s = time.monotonic() - t_loop
         checkpoint(reason)
-        summary: dict[str, Any] = {"step": step, "steps": total, "stopped": reason,
-                                   "epoch": cursor.epoch_float, "rows": len(examples)}
-        if eval_examples and (step >= total or deadline is None or time.monotonic() < deadline):
+        summary: dict[str, Any] = {"step": step, "steps": total, "stopped": reason, "steps_here": done_here,
+                                   "train_seconds_here": round(train_s, 2), "epoch": cursor.epoch_float,
+                                   "rows": len(examples), "attention": drafter.attn_impl}
+        if eval_examples and (step >= total or deadline is None or time.monotonic() < deadline + cfg.reserve_seconds / 2):
             summary["eval"] = evaluate(drafter, target, eval_examples, cfg, device, cfg.gamma)
             metrics.write(json.dumps({"step": step, "eval": summary["eval"]}) + "\n")
         drafter_dir = drafter.export(out / "drafter", tcfg, dtype=cfg.export_dtype)
         summary["drafter"] = str(drafter_dir)
+        summary["checkpoint"] = [str(p) for p in ckpt.checkpoint_files(_ckpt_dir(out))]
         summary["elapsed_s"] = round(time.monotonic() - t_start, 2)
         (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        say(f"train: stopped ({reason}) at step {step}/{total}; checkpoint {_ckpt_path(out)}; "
+        say(f"train: stopped ({reason}) at step {step}/{total}; checkpoint {_ckpt_dir(out)}; "
             f"drafter {drafter_dir}")
         summary["model"] = drafter
         return summary
@@ -493,3 +677,22 @@ def train(
         metrics.close()
         if old_handler is not None:
             signal.signal(signal.SIGTERM, old_handler)
+
+
+def export_from_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bfloat16",
+                           target_config: Mapping[str, Any] | None = None) -> Path:
+    """Write the drafter of a checkpoint (either format) in the published format, without
+    the target's weights: its config comes from the checkpoint (or target_config)."""
+    from dflash.drafter_format import write_dflash_drafter
+
+    st = ckpt.load_checkpoint(ckpt_dir)
+    tc = dict(target_config or st.get("target_config") or {})
+    if not tc:
+        raise ValueError(f"{ckpt_dir}: the checkpoint holds no target config; pass the target's config.json")
+    c = DrafterConfig.from_dict(st["drafter_config"])
+    weights = {k: v.detach().float().cpu().numpy() for k, v in st["model"].items()}
+    return write_dflash_drafter(
+        out_dir, target_config=tc, num_layers=c.num_layers, target_layer_ids=c.target_layer_ids,
+        block_size=c.block_size, mask_token_id=c.mask_token_id, hidden_size=c.hidden_size, num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, dtype=dtype, weights=weights)
