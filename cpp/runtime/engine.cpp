@@ -202,6 +202,15 @@ void Engine::finish_if_done(Request* r, const StepOutput& out) {
   }
 }
 
+StepOutput Engine::emit_sampled(Request* r, int32_t sampled, Clock::time_point now) {
+  const size_t k = r->output.size();
+  const int32_t token = k < r->input.forced_tokens.size() ? r->input.forced_tokens[k] : sampled;
+  StepOutput out;
+  emit(r, {token}, now, &out);
+  finish_if_done(r, out);
+  return out;
+}
+
 std::vector<StepOutput> Engine::autoregressive_decode(const std::vector<Request*>& running) {
   std::vector<DecodeRow> rows(running.size());
   bool any_record = false;
@@ -234,12 +243,7 @@ std::vector<StepOutput> Engine::autoregressive_decode(const std::vector<Request*
     if (r->input.record_logits) {
       r->logits.insert(r->logits.end(), host_logits.begin() + i * vocab, host_logits.begin() + (i + 1) * vocab);
     }
-    const size_t k = r->output.size();
-    const int32_t token = k < r->input.forced_tokens.size() ? r->input.forced_tokens[k] : sampled[i];
-    StepOutput out;
-    emit(r, {token}, now, &out);
-    finish_if_done(r, out);
-    outputs.push_back(std::move(out));
+    outputs.push_back(emit_sampled(r, sampled[i], now));
   }
   return outputs;
 }
@@ -306,12 +310,7 @@ std::vector<StepOutput> Engine::autoregressive_step(const std::vector<Request*>&
       const int64_t n = r->num_computed - fed_from;
       r->taps.insert(r->taps.end(), host_taps.begin() + row0 * width, host_taps.begin() + (row0 + n) * width);
     }
-    const size_t step_idx = r->output.size();
-    const int32_t token = step_idx < r->input.forced_tokens.size() ? r->input.forced_tokens[step_idx] : sampled[i];
-    StepOutput out;
-    emit(r, {token}, now, &out);
-    finish_if_done(r, out);
-    outputs.push_back(std::move(out));
+    outputs.push_back(emit_sampled(r, sampled[i], now));
   }
   return outputs;
 }

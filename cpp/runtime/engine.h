@@ -101,6 +101,9 @@ class Engine {
   std::vector<StepOutput> speculative_prefill(const std::vector<Request*>& running);
   // Bookkeeping after a request emitted `out`.
   void finish_if_done(Request* r, const StepOutput& out);
+  // Emits one sampled token (or the request's forced token at this index) and finishes the
+  // request when a stop condition holds.
+  StepOutput emit_sampled(Request* r, int32_t sampled, Clock::time_point now);
 
   Transformer& model_;
   Backend& backend_;

@@ -85,12 +85,8 @@ std::vector<StepOutput> Engine::speculative_prefill(const std::vector<Request*>&
   for (size_t i = 0; i < running.size(); ++i) {
     Request* r = running[i];
     const int64_t prompt = static_cast<int64_t>(r->input.prompt.size());
-    const size_t k = r->output.size();
-    const int32_t token = k < r->input.forced_tokens.size() ? r->input.forced_tokens[k] : sampled[i];
     r->num_computed = prompt;
-    StepOutput out;
-    emit(r, {token}, now, &out);
-    finish_if_done(r, out);
+    StepOutput out = emit_sampled(r, sampled[i], now);
     if (!out.finished) {
       for (int64_t j = 0; j < prompt; ++j) {
         ctx_rows.push_back(batch.query_start[i] + static_cast<int32_t>(j));

@@ -18,32 +18,14 @@ import math
 import numpy as np
 import pytest
 
-try:
-    import torch
-except ImportError:  # torch is optional outside the reference and GPU tests
-    torch = None
+from tests.gpu.gpu_helpers import kernel_ops, requires_cuda, torch
 
-
-def _cuda_ready() -> bool:
-    if torch is None or not torch.cuda.is_available():
-        return False
-    try:
-        import dflash
-
-        return bool(dflash.built_with_cuda())
-    except Exception:  # noqa: BLE001 - the extension is not built, or was built without CUDA
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device and dflash built with CUDA")
+pytestmark = requires_cuda
 
 DEV = "cuda"
 
 
-def _ops():
-    from dflash._core import testing
-
-    return testing
+_ops = kernel_ops
 
 
 def bf16(*shape, seed=0):
