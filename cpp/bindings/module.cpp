@@ -86,6 +86,18 @@ nb::object cpu_paged_attention(const F32Array& q, const F32Array& k_pool, const 
   return to_numpy_2d(out, static_cast<int64_t>(q.shape(1) * q.shape(2)));
 }
 
+// The CPU backend's linear layer: out[M, N] = x[M, K] @ w[N, K]^T (skinny kernel or BLAS, as
+// the backend dispatches), for kernel tests.
+nb::object cpu_linear(const F32Array& x, const F32Array& w, int num_threads) {
+  DFLASH_ARG_CHECK(x.ndim() == 2 && w.ndim() == 2 && x.shape(1) == w.shape(1), "linear: x [M, K], w [N, K]");
+  CpuBackend backend(num_threads);
+  std::vector<float> out(x.shape(0) * w.shape(0));
+  Tensor out_t = backend.empty({static_cast<int64_t>(x.shape(0)), static_cast<int64_t>(w.shape(0))}, DType::kF32);
+  backend.linear(wrap(x, DType::kF32), wrap(w, DType::kF32), out_t);
+  std::memcpy(out.data(), out_t.data, out.size() * sizeof(float));
+  return to_numpy_2d(out, static_cast<int64_t>(w.shape(0)));
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -110,6 +122,8 @@ NB_MODULE(_core, m) {
   testing.def("cpu_paged_attention", &cpu_paged_attention, "q"_a, "k_pool"_a, "v_pool"_a,
               "query_start"_a, "kv_len"_a, "block_table"_a, "causal"_a,
               "The CPU backend's paged attention; returns [T, nh * hd].");
+  testing.def("cpu_linear", &cpu_linear, "x"_a, "w"_a, "num_threads"_a = 2,
+              "The CPU backend's linear layer x @ w.T (DFLASH_CPU_GEMM picks the kernel).");
   nb::class_<BlockAllocator>(testing, "BlockAllocator")
       .def(nb::init<int64_t>(), "num_blocks"_a)
       .def_prop_ro("num_free", &BlockAllocator::num_free)

@@ -8,7 +8,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
+
+#include "backend/cpu/cpu_skinny_gemm.h"
 
 namespace dflash {
 
@@ -52,6 +55,13 @@ CpuBackend::CpuBackend(int num_threads) : num_threads_(num_threads) {
                    "num_threads must be in [1, ", max_threads, "], got ", num_threads);
   scipy_openblas_set_num_threads(num_threads);
   pool_ = std::make_unique<ThreadPool>(num_threads);
+  // DFLASH_CPU_GEMM: "auto" (default) uses the skinny kernel for up to kCpuSkinnyMaxRows rows
+  // when the CPU has AVX2/FMA; "blas" sends every GEMM to OpenBLAS (for comparisons).
+  const char* env = std::getenv("DFLASH_CPU_GEMM");
+  const std::string mode = env ? env : "";
+  DFLASH_ARG_CHECK(mode.empty() || mode == "auto" || mode == "blas", "DFLASH_CPU_GEMM=", mode,
+                   " is not one of auto, blas");
+  skinny_gemm_ = mode != "blas" && cpu_skinny_gemm_supported();
 }
 
 void CpuBackend::parallel(int64_t n, int64_t work_per_item,
@@ -145,6 +155,18 @@ void CpuBackend::linear(const Tensor& x, const Tensor& w, Tensor& out) {
   DFLASH_CHECK(x.numel() == m * k && out.numel() == m * n, "linear: shape mismatch x ",
                shape_str(x.shape), " w ", shape_str(w.shape), " out ", shape_str(out.shape));
   if (m == 0) return;
+  if (skinny_gemm_ && m >= kCpuSkinnyMinRows && m <= kCpuSkinnyMaxRows) {
+    // Decode / verify rows: weights read once for all rows, batch-invariant results.
+    const float* xp = x.ptr<float>();
+    const float* wp = w.ptr<float>();
+    float* op = out.ptr<float>();
+    constexpr int64_t kColumnsPerItem = 64;
+    const int64_t items = (n + kColumnsPerItem - 1) / kColumnsPerItem;
+    parallel(items, kColumnsPerItem * k * m, [&](int64_t i0, int64_t i1) {
+      cpu_skinny_gemm(xp, wp, op, m, n, k, i0 * kColumnsPerItem, std::min(n, i1 * kColumnsPerItem));
+    });
+    return;
+  }
   if (m == 1) {
     scipy_cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w.ptr<float>(), k,
                       x.ptr<float>(), 1, 0.0f, out.ptr<float>(), 1);

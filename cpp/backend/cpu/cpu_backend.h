@@ -65,6 +65,7 @@ class CpuBackend final : public Backend {
   void parallel(int64_t n, int64_t work_per_item, const std::function<void(int64_t, int64_t)>& fn);
 
   int num_threads_;
+  bool skinny_gemm_ = false;  // linear() of few rows through cpu_skinny_gemm (AVX2/FMA)
   std::unique_ptr<ThreadPool> pool_;
 };
 
