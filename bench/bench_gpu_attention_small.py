@@ -2,7 +2,8 @@
 """Paged attention at small batch (the latency-bound case of decode and verify steps), on the
 GPU: Qwen3-8B geometry (32 query / 8 KV heads, head_dim 128, block 16), batch 1/4/16, query
 length 1 (AR) and 16 (verify), context 512/4096, for each forced split count of the split-KV
-path and with max_kv_len as a captured graph sees it (max_model_len 4096 + 16) or exact.
+path, and the plan's own choice (splits 0) with max_kv_len as a captured graph sees it
+(max_model_len 4096 + 16) or exact.
 Kernel durations come from CUPTI (torch.profiler), so launch latency is excluded: mean
 microseconds per call of the decode kernel and of the split reduce, and K/V bytes read / time.
 
@@ -67,8 +68,8 @@ def main():
     for batch in (1, 4, 16):
         for qlen in (1, 16):
             for ctx in (512, 4096):
-                for splits in (1, 2, 4, 8, 16):
-                    for max_kv in (ctx, 4096 + 16):
+                for splits in (0, 1, 2, 4, 8, 16):  # 0: the plan's own choice from max_kv_len
+                    for max_kv in ((ctx, 4096 + 16) if splits == 0 else (ctx,)):
                         r = case(testing, torch, batch, qlen, ctx, splits, max_kv, args.reps)
                         res["cases"].append(r)
                         print(f"b={batch} q={qlen} ctx={ctx} splits={splits} max_kv={max_kv}: "
