@@ -67,3 +67,32 @@ def test_generate_with_draft_reports_acceptance(tiny_model_dirs, tmp_path):
                 "--json", "hello there")
     assert json.loads(spec.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
     assert "acceptance length (tau)" in spec.stderr and "acceptance by position" in spec.stderr
+
+
+def test_default_drafter_of_the_default_model(tmp_path):
+    """--draft default uses the default model's drafter (here a random one of SmolLM2's geometry
+    through DFLASH_DEFAULT_DRAFTER; the package ships the trained one): same tokens as without a
+    drafter; without --draft the CPU runs target-only; 'none' anywhere disables it."""
+    import os
+
+    from dflash.default_model import default_model_dir
+    from dflash.drafter_format import write_dflash_drafter
+
+    cfg = json.loads((default_model_dir() / "config.json").read_text())
+    dr = write_dflash_drafter(tmp_path / "d", target_config=cfg, num_layers=1, target_layer_ids=[1, 15, 28],
+                              block_size=4, mask_token_id=16)
+    env = dict(os.environ, DFLASH_DEFAULT_DRAFTER=str(dr))
+
+    def run(*args, env=env):
+        proc = subprocess.run([sys.executable, "-m", "dflash", "generate", "--device", "cpu", "--max-tokens", "10",
+                               "--json", *args, "What is 2 + 2?"], capture_output=True, text=True, timeout=600,
+                              env=env)
+        return proc
+
+    spec, plain, implicit = run("--draft", "default"), run("--draft", "none"), run()
+    assert spec.returncode == plain.returncode == implicit.returncode == 0, spec.stderr + plain.stderr
+    assert json.loads(spec.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    assert "acceptance length (tau)" in spec.stderr
+    assert "acceptance length (tau)" not in implicit.stderr and "acceptance length (tau)" not in plain.stderr
+    missing = run("--draft", "default", env=dict(os.environ, DFLASH_DEFAULT_DRAFTER="none"))
+    assert missing.returncode != 0 and "ships no drafter" in missing.stderr

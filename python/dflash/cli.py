@@ -35,6 +35,30 @@ def _read_prompts(path: str) -> List[Any]:
     return prompts
 
 
+def _resolve_draft(args: argparse.Namespace) -> Optional[str]:
+    """--draft DIR | default | none; unset: the default model's shipped drafter on CUDA only (on a
+    small CPU the multi-row verify is compute-bound and DFlash measured slower than AR:
+    bench/results/cpu_smollm2_dflash_e2e.json)."""
+    from dflash.default_model import default_drafter_dir
+    from dflash.session import _resolve_device
+
+    if args.draft == "none":
+        return None
+    if args.draft not in (None, "default"):
+        return args.draft
+    if args.draft == "default" and args.model is not None:
+        raise SystemExit("dflash generate: --draft default is the drafter of the default model; "
+                         "with --model give a drafter directory")
+    if args.model is not None:
+        return None
+    shipped = default_drafter_dir()
+    if args.draft == "default":
+        if shipped is None:
+            raise SystemExit("dflash generate: --draft default: this package ships no drafter for the default model")
+        return str(shipped)
+    return str(shipped) if shipped is not None and _resolve_device(args.device) == "cuda" else None
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     import dflash
 
@@ -48,8 +72,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise SystemExit("dflash generate: give a PROMPT or --file FILE (one of the two)")
     prompts: List[Any] = [args.prompt] if args.prompt is not None else _read_prompts(args.file)
     kwargs = {}
-    if args.draft:
-        kwargs["draft"] = args.draft
+    draft = _resolve_draft(args)
+    if draft is not None:
+        kwargs["draft"] = draft
     if args.num_speculative_tokens:
         kwargs["num_speculative_tokens"] = args.num_speculative_tokens
     if args.threads:
@@ -298,7 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", help="the prompt (or use --file)")
     g.add_argument("--file", help="prompts, one per line (or .jsonl with 'prompt'/'messages')")
     g.add_argument("--model", help="HF model directory (default: SmolLM2-135M-Instruct, converted once)")
-    g.add_argument("--draft", help="DFlash drafter directory (DFlashDraftModel): speculative decoding")
+    g.add_argument("--draft", help="DFlash drafter directory (DFlashDraftModel): speculative decoding; 'default': "
+                                   "the drafter shipped for the default model (used without --draft on CUDA); "
+                                   "'none': no speculative decoding")
     g.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="draft tokens per step (default: the drafter's block_size - 1)")
     chat = g.add_mutually_exclusive_group()

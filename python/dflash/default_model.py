@@ -92,6 +92,26 @@ def _locate_gguf(pkgs: Path) -> Path:
     return cached
 
 
+# The DFlash drafter shipped for the default model (DFlashDraftModel format), when the package
+# holds one; DFLASH_DEFAULT_DRAFTER overrides it (a directory, or "none").
+SHIPPED_DRAFTER_DIR = Path(__file__).resolve().parent / "drafters" / DEFAULT_MODEL_NAME
+
+
+def default_drafter_dir() -> Path | None:
+    """The drafter of the default model: $DFLASH_DEFAULT_DRAFTER, else the one shipped in the
+    package; None when there is none (or the variable says "none")."""
+    override = os.environ.get("DFLASH_DEFAULT_DRAFTER")
+    if override is not None:
+        if override.strip().lower() == "none":
+            return None
+        d = Path(override)
+        if not (d / "config.json").is_file():
+            raise ValueError(f"DFLASH_DEFAULT_DRAFTER={override}: no config.json there")
+        return d
+    d = SHIPPED_DRAFTER_DIR
+    return d if (d / "config.json").is_file() and (d / "model.safetensors").is_file() else None
+
+
 def default_model_dir() -> Path:
     """Path of the converted HF directory of the default model, converting it on first use."""
     root = cache_root()
