@@ -233,6 +233,13 @@ void DecodePrograms::capture() {
 }
 
 void DecodePrograms::run(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase) {
+  launch(rows, phase);
+  wait();
+}
+
+void DecodePrograms::wait() { backend_.synchronize(); }
+
+void DecodePrograms::launch(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase) {
   const int64_t b = padded(static_cast<int64_t>(rows.size()));
   stage(rows, b);
   backend_.begin_step();
@@ -244,7 +251,6 @@ void DecodePrograms::run(const std::vector<DecodeRow>& rows, const std::function
   } else {
     issue(b, phase);
   }
-  backend_.synchronize();
 }
 
 }  // namespace dflash

@@ -58,6 +58,12 @@ class DecodePrograms {
   // phase (eager only, may be null) is called between the speculative phases with their index
   // 0 draft, 1 verify, 2 accept, 3 context update (for timing).
   void run(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase = nullptr);
+  // run() in two halves: launch queues the step on the backend's stream and returns; other
+  // stream-ordered work may be queued before wait(), which returns when the outputs are on the
+  // host. (The per-step arena is reused by such work: an AR step's last_logits() must be read
+  // before it.)
+  void launch(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase = nullptr);
+  void wait();
   // Outputs of the last run (host memory, valid until the next run). AR: tokens[R].
   // Speculative: drafts[R * n], num_accepted[R], next_token[R].
   const int32_t* tokens() const { return out_host_i32() + out_tokens_; }

@@ -179,19 +179,25 @@ std::vector<StepOutput> Engine::step() {
     const bool decoding = r->num_computed > 0 && (spec_.drafter || !r->input.record_taps);
     (decoding ? decode : eager).push_back(r);
   }
-  std::vector<StepOutput> outputs;
-  if (!decode.empty()) {
-    const Clock::time_point t0 = Clock::now();
-    outputs = spec_.drafter ? speculative_decode(decode) : autoregressive_decode(decode);
-    stats_.time_decode_s += std::chrono::duration<double>(Clock::now() - t0).count();
-    (programs_->graphs() ? stats_.num_graph_steps : stats_.num_eager_decode_steps) += 1;
-  }
-  if (!eager.empty()) {
+  std::vector<StepOutput> outputs, prefilled;
+  double prefill_s = 0.0;
+  auto prefill = [&] {
+    const Clock::time_point t = Clock::now();
     backend_.begin_step();
     stats_.num_eager_forwards += 1;
-    std::vector<StepOutput> more = spec_.drafter ? speculative_prefill(eager) : autoregressive_step(eager);
-    outputs.insert(outputs.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
+    prefilled = spec_.drafter ? speculative_prefill(eager) : autoregressive_step(eager);
+    prefill_s = std::chrono::duration<double>(Clock::now() - t).count();
+  };
+  if (!decode.empty()) {
+    const Clock::time_point t0 = Clock::now();
+    std::function<void()> overlap = eager.empty() ? std::function<void()>() : std::function<void()>(prefill);
+    outputs = spec_.drafter ? speculative_decode(decode, overlap) : autoregressive_decode(decode, overlap);
+    stats_.time_decode_s += std::chrono::duration<double>(Clock::now() - t0).count() - prefill_s;
+    (programs_->graphs() ? stats_.num_graph_steps : stats_.num_eager_decode_steps) += 1;
+  } else {
+    prefill();
   }
+  outputs.insert(outputs.end(), std::make_move_iterator(prefilled.begin()), std::make_move_iterator(prefilled.end()));
   return outputs;
 }
 
@@ -211,7 +217,8 @@ StepOutput Engine::emit_sampled(Request* r, int32_t sampled, Clock::time_point n
   return out;
 }
 
-std::vector<StepOutput> Engine::autoregressive_decode(const std::vector<Request*>& running) {
+std::vector<StepOutput> Engine::autoregressive_decode(const std::vector<Request*>& running,
+                                                      const std::function<void()>& overlap) {
   std::vector<DecodeRow> rows(running.size());
   bool any_record = false;
   for (size_t i = 0; i < running.size(); ++i) {
@@ -226,13 +233,16 @@ std::vector<StepOutput> Engine::autoregressive_decode(const std::vector<Request*
     r->blocks.append(1);
     any_record = any_record || r->input.record_logits;
   }
-  programs_->run(rows);
+  programs_->launch(rows);
+  if (overlap && !any_record) overlap();  // recorded logits live in the arena the overlap reuses
+  programs_->wait();
   const int32_t* sampled = programs_->tokens();
   const int64_t vocab = model_.config().vocab_size;
   std::vector<float> host_logits;
   if (any_record) {
     host_logits.resize(programs_->last_logits().numel());
     backend_.download_f32(programs_->last_logits(), host_logits.data());
+    if (overlap) overlap();
   }
   stats_.num_forward_tokens += static_cast<int64_t>(running.size());
   const Clock::time_point now = Clock::now();

@@ -4,6 +4,7 @@
 // Not thread-safe: one thread drives an engine.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -94,9 +95,13 @@ class Engine {
                 bool all_logits);
   // Eager ragged forward over new prompts and decode rows that record taps (AR).
   std::vector<StepOutput> autoregressive_step(const std::vector<Request*>& running);
-  // The AR / speculative decode program over requests past their prefill.
-  std::vector<StepOutput> autoregressive_decode(const std::vector<Request*>& running);
-  std::vector<StepOutput> speculative_decode(const std::vector<Request*>& running);
+  // The AR / speculative decode program over requests past their prefill. `overlap` (may be
+  // null) is queued on the stream between the program's launch and the wait for its outputs
+  // (the eager prefill of new requests), so that a mixed step synchronises once.
+  std::vector<StepOutput> autoregressive_decode(const std::vector<Request*>& running,
+                                                const std::function<void()>& overlap);
+  std::vector<StepOutput> speculative_decode(const std::vector<Request*>& running,
+                                             const std::function<void()>& overlap);
   // Prefill of new requests with a drafter: target forward with taps, first token, context.
   std::vector<StepOutput> speculative_prefill(const std::vector<Request*>& running);
   // Bookkeeping after a request emitted `out`.

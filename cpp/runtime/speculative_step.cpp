@@ -105,7 +105,8 @@ std::vector<StepOutput> Engine::speculative_prefill(const std::vector<Request*>&
   return outputs;
 }
 
-std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& running) {
+std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& running,
+                                                   const std::function<void()>& overlap) {
   const int64_t n = spec_.num_spec_tokens;
   std::vector<DecodeRow> rows(running.size());
   std::vector<std::vector<int32_t>> overrides(running.size());
@@ -131,7 +132,9 @@ std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& 
   Clock::time_point t = Clock::now();
   double* phase_time[] = {&stats_.time_draft_s, &stats_.time_verify_s, &stats_.time_accept_s,
                           &stats_.time_context_s};
-  programs_->run(rows, [&](int phase) { *phase_time[phase] += lap(backend_, &t); });
+  programs_->launch(rows, [&](int phase) { *phase_time[phase] += lap(backend_, &t); });
+  if (overlap) overlap();  // queued behind the program; its own sync also waits for the program
+  programs_->wait();
   stats_.num_forward_tokens += static_cast<int64_t>(running.size()) * (n + 1);
 
   const int32_t* drafts = programs_->drafts();

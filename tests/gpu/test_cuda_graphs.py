@@ -106,3 +106,22 @@ def test_dflash_graph_full_acceptance_matches_ar(tiny_model_dirs, tmp_path):
         # 1 token from the prefill, then blocks of 8 (7 drafts + bonus): 39 = 4 x 8 + 7
         assert r.metrics.num_spec_steps == 5
     assert spec.stats()["graph_steps"] > 0
+
+
+@pytest.mark.parametrize("drafter", [False, True])
+def test_mixed_steps_graphs_equal_eager(drafter, tiny_model_dirs, tmp_path):
+    """max_num_seqs 3 with 8 prompts: requests join while others decode, so steps mix a decode
+    graph with the eager prefill queued behind it (one synchronisation); tokens equal eager."""
+    target = tiny_model_dirs["qwen3_hd128"]
+    kw = dict(kv_cache_tokens=8192, max_num_seqs=3)
+    if drafter:
+        kw["draft"] = _drafter(tmp_path, target, 4)
+    on = dflash.Session(target, device="cuda", **kw)
+    off = dflash.Session(target, device="cuda", cuda_graphs=False, **kw)
+    prompts = _prompts(8, seed=77)
+    for temperature in (0.0, 0.8):
+        params = _params(8, temperature)
+        assert _tokens(on, prompts, params) == _tokens(off, prompts, _params(8, temperature))
+    s = on.stats()
+    assert s["graph_steps"] > 0 and s["eager_forwards"] > 1 and s["graph_batch_sizes"] == [1, 2, 3]
+    assert s["num_free_blocks"] == s["num_blocks"]
