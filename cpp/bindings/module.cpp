@@ -156,7 +156,8 @@ NB_MODULE(_core, m) {
       .def_rw("draft_dir", &SessionConfig::draft_dir)
       .def_rw("num_speculative_tokens", &SessionConfig::num_speculative_tokens)
       .def_rw("gpu_memory_utilization", &SessionConfig::gpu_memory_utilization)
-      .def_rw("cuda_graphs", &SessionConfig::cuda_graphs);
+      .def_rw("cuda_graphs", &SessionConfig::cuda_graphs)
+      .def_rw("pad_decode_batches", &SessionConfig::pad_decode_batches);
 
   nb::class_<SamplingConfig>(m, "SamplingConfig")
       .def(nb::init<>())

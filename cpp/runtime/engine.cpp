@@ -35,7 +35,7 @@ Engine::Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocato
   pc.block_size = sched.block_size;
   pc.num_spec_tokens = spec_.drafter ? spec_.num_spec_tokens : 0;
   pc.trash_block = options.trash_block;
-  pc.pad = backend_.kind() == DeviceKind::kCUDA;
+  pc.pad = options.pad_batches || options.cuda_graphs;
   pc.graphs = options.cuda_graphs;
   programs_ = std::make_unique<DecodePrograms>(backend_, model_, pool_, spec_.drafter, spec_.pool, pc);
   programs_->capture();

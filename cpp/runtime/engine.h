@@ -42,6 +42,7 @@ struct EngineStats {
 // How the engine runs decode steps.
 struct EngineOptions {
   bool cuda_graphs = false;  // capture decode programs into graphs (CUDA)
+  bool pad_batches = false;  // pad decode steps to the graph batch sizes (always with graphs)
   int32_t trash_block = 0;   // first of the KV blocks reserved for padding rows
 };
 
