@@ -14,12 +14,11 @@ Writes DIR/gpu_h200_attention_small.json.
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import run_record, write_json  # noqa: E402
+from gpu_common import cuda_kernel_totals, run_record, write_json  # noqa: E402
 
 NH, NKV, HD, BS = 32, 8, 128, 16
 
@@ -42,10 +41,7 @@ def case(testing, torch, batch, qlen, ctx, splits, max_kv_len, reps):
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(reps):
             testing.triton_paged_attention(*args)
-    per = collections.defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name] += (ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total) / reps
+    per = {name: us / reps for name, (us, _) in cuda_kernel_totals(prof).items()}
     total = sum(per.values())
     kv_bytes = 2 * batch * ctx * NKV * HD * 2
     return {"batch": batch, "query_len": qlen, "context": ctx, "force_splits": splits, "max_kv_len": max_kv_len,

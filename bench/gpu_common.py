@@ -237,3 +237,18 @@ def free_cuda_memory() -> None:
         torch.cuda.empty_cache()
     except Exception:  # noqa: BLE001
         pass
+
+
+def cuda_kernel_totals(prof: Any) -> dict[str, list]:
+    """Per kernel name of a torch.profiler run (CUPTI, so our own and graph kernels too):
+    [total microseconds, launches]."""
+    import collections
+
+    import torch
+
+    per: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name][0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            per[ev.name][1] += 1
+    return dict(per)

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_qwen3 import DRAFTER, make_session, synthetic_prompt, write_random_drafter  # noqa: E402
-from gpu_common import QWEN3_8B, qwen3_config, run_record, write_json, write_random_qwen3  # noqa: E402
+from bench_gpu_qwen3 import make_session, synthetic_prompt, write_random_drafter  # noqa: E402
+from gpu_common import (  # noqa: E402
+    QWEN3_8B, cuda_kernel_totals, qwen3_config, run_record, write_json, write_random_qwen3)
 
 FAMILIES = [  # (family, substrings of the kernel name), first match wins
     ("attention", ("paged_attention",)),
@@ -63,11 +64,7 @@ def profile(sess, steps: int, warmup: int) -> dict:
         wall = (time.perf_counter() - t0) / steps
     sess.abort(rid)
     sess.take_result(rid)
-    per_name = collections.defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[ev.name][0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-            per_name[ev.name][1] += 1
+    per_name = cuda_kernel_totals(prof)
     fams = collections.defaultdict(lambda: {"us_per_step": 0.0, "launches_per_step": 0.0})
     for name, (us, n) in per_name.items():
         f = fams[family(name)]
