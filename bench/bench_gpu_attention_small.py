@@ -34,7 +34,8 @@ def case(testing, torch, batch, qlen, ctx, splits, max_kv_len, reps):
     qs = torch.arange(0, t + 1, qlen, device="cuda", dtype=torch.int32)
     kl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     bt = torch.randperm(nblocks, device="cuda", dtype=torch.int32).reshape(batch, blocks_per_seq)
-    ws = torch.empty(64 << 20, device="cuda", dtype=torch.uint8)
+    need = testing.triton_paged_attention_workspace_bytes(t, NH, HD, max(splits, 16))
+    ws = torch.empty(max(need, 64 << 20), device="cuda", dtype=torch.uint8)
     args = (q, kp, vp, o, qs, kl, bt, True, 0, qlen, max_kv_len, ws, 2, splits)
     testing.triton_paged_attention(*args)
     acts = [torch.profiler.ProfilerActivity.CUDA]

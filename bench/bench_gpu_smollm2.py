@@ -113,7 +113,7 @@ def run(out_dir, new_tokens=64, batch_sizes=(1, 16)):
               f"speedup {res[f'batch_{bs}']['speedup']:.2f}x", flush=True)
         write_json(out, res)
     if "batch_1" in res:
-        update_headline(out_dir, {"smollm2_ar_speedup_vs_hf": res["batch_1"]["speedup"]})
+        update_headline(out_dir, {"smollm2_ar_speedup_vs_hf": res["batch_1"]["speedup"]}, stamp_prefix="smollm2_")
     print(f"wrote {out}", flush=True)
     return res
 

@@ -78,9 +78,11 @@ def write_json(path: str | Path, obj: Any) -> None:
     tmp.replace(path)
 
 
-def update_headline(out_dir: str | Path, updates: Mapping[str, Any]) -> Path:
+def update_headline(out_dir: str | Path, updates: Mapping[str, Any], stamp_prefix: str = "") -> Path:
     """Reads `out_dir`/headline.json (else the repository's bench/results/headline.json, else {}),
-    sets `updates` plus `date` and `command`, and writes it to `out_dir`/headline.json."""
+    sets `updates` plus `<stamp_prefix>date` and `<stamp_prefix>command` (the main Qwen3 benchmark
+    owns the bare `date`/`command`; other benchmarks stamp their own keys), and writes it to
+    `out_dir`/headline.json."""
     path = Path(out_dir) / HEADLINE_NAME
     base: dict[str, Any] = {}
     for candidate in (path, BENCH_DIR / "results" / HEADLINE_NAME):
@@ -88,8 +90,8 @@ def update_headline(out_dir: str | Path, updates: Mapping[str, Any]) -> Path:
             base = json.loads(candidate.read_text())
             break
     base.update(updates)
-    base["date"] = now_iso()
-    base["command"] = command_line()
+    base[f"{stamp_prefix}date"] = now_iso()
+    base[f"{stamp_prefix}command"] = command_line()
     write_json(path, base)
     return path
 

@@ -45,3 +45,31 @@ def test_headline_is_merged_not_replaced(tmp_path):
     h = json.loads((tmp_path / "headline.json").read_text())
     assert h["smollm2_ar_speedup_vs_hf"] == 14.5 and h["ar_step_bw_fraction_bs1"] == 0.8
     assert h["date"] != "old" and "command" in h
+
+
+def test_other_benchmarks_stamp_their_own_date(tmp_path):
+    g = _bench_module("gpu_common")
+    (tmp_path / "headline.json").write_text(json.dumps({"date": "qwen3 run", "command": "qwen3 cmd"}))
+    g.update_headline(tmp_path, {"smollm2_ar_speedup_vs_hf": 30.0}, stamp_prefix="smollm2_")
+    h = json.loads((tmp_path / "headline.json").read_text())
+    assert h["date"] == "qwen3 run" and h["command"] == "qwen3 cmd"
+    assert h["smollm2_ar_speedup_vs_hf"] == 30.0 and "smollm2_date" in h and "smollm2_command" in h
+
+
+def test_peer_ratios_use_median_steps():
+    q = _bench_module("bench_gpu_qwen3")
+    assert q.typical_step_s({"step_s": 9.0, "step_ms_all": [61.0, 30.0, 31.0]}) == pytest.approx(0.031)
+    assert q.typical_step_s({"step_s": 0.005}) == 0.005
+
+
+def test_acceptance_headline_keys(tmp_path):
+    u = _bench_module("update_headline_acceptance")
+    report = {"date": "d", "command": "dflash bench acceptance ...", "results": [
+        {"dataset": "gsm8k", "temperature": 0.0, "tau": 3.8}, {"dataset": "gsm8k", "temperature": 1.0, "tau": 1.3},
+        {"dataset": "humaneval", "temperature": 0.0, "tau": 2.9}, {"dataset": "mtbench", "temperature": 0.0, "tau": 2.6},
+        {"dataset": "math", "temperature": 1.0, "tau": 1.2}]}
+    figs = u.acceptance_figures(report)
+    assert figs["tau_gsm8k_t0"] == 3.8 and figs["tau_gsm8k_t1"] == 1.3 and figs["tau_humaneval_t0"] == 2.9
+    assert figs["tau_mtbench_t0"] == 2.6 and "tau_math_t1" not in figs and figs["acceptance_date"] == "d"
+    e2e = u.e2e_figures({"speedup": 2.5, "date": "e", "command": "c"}, "gpu")
+    assert e2e == {"smollm2_dflash_speedup_gpu": 2.5, "e2e_gpu_date": "e", "e2e_gpu_command": "c"}

@@ -160,6 +160,7 @@ def assert_matches(out, ref, what):
     assert not torch.isnan(out).any(), f"{what}: NaN in the output (unwritten row or bad read)"
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
     rel = ((out - ref).norm() / ref.norm().clamp_min(1e-6)).item()
+    print(f"attention {what}: max abs err {(out - ref).abs().max().item():.3g}, relative RMS err {rel:.3g}")
     assert rel < MAX_REL_RMS, f"{what}: relative RMS error {rel:.3g}"
 
 

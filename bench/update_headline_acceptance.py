@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Copies the shipped drafter's headline figures into bench/results/headline.json: tau from a
+`dflash bench acceptance` report and the end-to-end DFlash/AR speedups from bench_dflash_e2e.py
+reports (GPU and CPU). Keys: tau_gsm8k_t0, tau_humaneval_t0, tau_mtbench_t0, tau_math_t0,
+tau_gsm8k_t1, smollm2_dflash_speedup_gpu, smollm2_dflash_speedup_cpu, and the date and command
+of each source (acceptance_date/command, e2e_gpu_date/command, e2e_cpu_date/command). The
+benchmarks themselves are not rerun: this only reads their JSON.
+
+Usage: python bench/update_headline_acceptance.py --acceptance bench/results/acceptance_smollm2_h200.json
+           --e2e-gpu bench/results/cuda_smollm2_dflash_e2e.json --e2e-cpu bench/results/cpu_smollm2_dflash_e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import HEADLINE_NAME, write_json  # noqa: E402
+
+TAU_KEYS = {("gsm8k", 0.0): "tau_gsm8k_t0", ("humaneval", 0.0): "tau_humaneval_t0",
+            ("mtbench", 0.0): "tau_mtbench_t0", ("math", 0.0): "tau_math_t0", ("gsm8k", 1.0): "tau_gsm8k_t1"}
+
+
+def acceptance_figures(report: dict) -> dict:
+    out = {}
+    for cell in report["results"]:
+        key = TAU_KEYS.get((cell["dataset"], float(cell["temperature"])))
+        if key is not None:
+            out[key] = cell["tau"]
+    out["acceptance_date"] = report["date"]
+    out["acceptance_command"] = report["command"]
+    return out
+
+
+def e2e_figures(report: dict, device: str) -> dict:
+    return {f"smollm2_dflash_speedup_{device}": report["speedup"],
+            f"e2e_{device}_date": report["date"], f"e2e_{device}_command": report["command"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--acceptance", required=True)
+    ap.add_argument("--e2e-gpu", default=None)
+    ap.add_argument("--e2e-cpu", default=None)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args()
+    path = Path(args.out) / HEADLINE_NAME
+    head = json.loads(path.read_text()) if path.is_file() else {}
+    head.update(acceptance_figures(json.loads(Path(args.acceptance).read_text())))
+    for device, src in (("gpu", args.e2e_gpu), ("cpu", args.e2e_cpu)):
+        if src:
+            head.update(e2e_figures(json.loads(Path(src).read_text()), device))
+    write_json(path, head)
+    print(json.dumps({k: v for k, v in head.items() if k.startswith(("tau_", "smollm2_dflash"))}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
