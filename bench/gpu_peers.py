@@ -178,15 +178,18 @@ def time_limit(seconds: float):
 
 
 def hf_compiled_step(m, ctx: int, *, new_tokens: int, limit_s: float) -> dict[str, Any]:
-    """transformers' documented recipe: static cache + torch.compile(forward, mode="reduce-overhead",
-    fullgraph=True), greedy generate; step = (t(new_tokens) - t(1)) / (new_tokens - 1)."""
+    """transformers' static-cache recipe: generation_config.cache_implementation="static" and
+    generate() compiles the decoding forward itself (its auto-compile for compileable caches;
+    wrapping model.forward in torch.compile(mode="reduce-overhead") by hand failed on the H200
+    with transformers 5.17: "accessing tensor output of CUDAGraphs that has been overwritten"),
+    greedy; step = (t(new_tokens) - t(1)) / (new_tokens - 1)."""
     import torch
 
     g = torch.Generator(device=DEVICE).manual_seed(3)
     ids = torch.randint(10, m.config.vocab_size - 10, (1, ctx), device=DEVICE, generator=g)
     forward, cache_impl = m.forward, m.generation_config.cache_implementation
-    out: dict[str, Any] = {"recipe": "generation_config.cache_implementation='static'; model.forward = "
-                                     "torch.compile(model.forward, mode='reduce-overhead', fullgraph=True)",
+    out: dict[str, Any] = {"recipe": "generation_config.cache_implementation='static'; generate() auto-compiles "
+                                     "the forward (generation_config.compile_config, disable_compile=False)",
                            "attn_implementation": set_attn(m, "sdpa"), "time_limit_s": limit_s}
 
     def gen(k):
@@ -202,7 +205,7 @@ def hf_compiled_step(m, ctx: int, *, new_tokens: int, limit_s: float) -> dict[st
     try:
         with time_limit(limit_s):
             m.generation_config.cache_implementation = "static"
-            m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
+            m.generation_config.disable_compile = False
             gen(new_tokens)  # compile
             gen(new_tokens)  # CUDA-graph recording
             out["compile_and_warmup_s"] = time.perf_counter() - t0
