@@ -484,3 +484,29 @@ def test_mask_token_fallback_without_spare_row():
         pytest.skip("SmolLM2 not available")
     from dflash.default_model import default_model_dir
     assert T._resolve_mask_token(str(default_model_dir()), 49152) == 16
+
+
+def test_data_builder_sampled_share(target, tmp_path):
+    """A share of the prompts is answered by sampling: the same rows for a given seed, tagged
+    '+sampled'; the other rows stay greedy (equal to an all-greedy build)."""
+    prompts_file = tmp_path / "p.txt"
+    prompts_file.write_text("\n".join(QUESTIONS) + "\n", encoding="utf-8")
+    items = D.collect_prompts(prompts=str(prompts_file), seed=0)
+    session = dflash.Session(target, device="cpu", num_threads=2)
+    kw = dict(max_tokens=24, drop_loops=False, session=session)
+    picked = [i for i in range(len(items)) if D.sampled_row(0, i, 0.5)]
+    assert 0 < len(picked) < len(items) and picked == [i for i in range(len(items)) if D.sampled_row(0, i, 0.5)]
+    assert not any(D.sampled_row(0, i, 0.0) for i in range(100)) and all(D.sampled_row(0, i, 1.0) for i in range(100))
+    greedy = D.generate_dataset(target, items, tmp_path / "g.jsonl", **kw)
+    mixed = D.generate_dataset(target, items, tmp_path / "m.jsonl", sampled_share=0.5, sampled_temperature=1.0, **kw)
+    assert mixed["params"]["sampled_share"] == 0.5 and "sampled_share" not in greedy["params"]
+    rows_g = {r["index"]: r for r in map(json.loads, (tmp_path / "g.jsonl").read_text().splitlines())}
+    rows_m = {r["index"]: r for r in map(json.loads, (tmp_path / "m.jsonl").read_text().splitlines())}
+    for i, r in rows_m.items():
+        if i in picked:
+            assert r["source"].endswith(D.SAMPLED_SUFFIX)
+        else:
+            assert r["source"] == rows_g[i]["source"] and r["response_ids"] == rows_g[i]["response_ids"]
+    assert any(rows_m[i]["response_ids"] != rows_g[i]["response_ids"] for i in picked)
+    with pytest.raises(ValueError, match="sampled_share"):
+        D.generate_dataset(target, items, tmp_path / "x.jsonl", sampled_share=1.5, **kw)

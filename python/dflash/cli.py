@@ -203,6 +203,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             meta = tdata.generate_dataset(
                 args.target, prompts, data_path, max_tokens=args.max_new_tokens, temperature=args.gen_temperature,
                 top_p=args.gen_top_p, seed=args.seed or 0, system_prompt=args.system_prompt,
+                sampled_share=args.gen_sampled_share, sampled_temperature=args.gen_sampled_temperature,
                 max_prompt_tokens=args.max_prompt_tokens,
                 loop_policy="keep" if args.keep_loops else args.loop_policy,
                 chunk_size=args.gen_batch, max_minutes=budget, device=args.device or "auto", session_kwargs=kw,
@@ -244,6 +245,9 @@ def _add_train_parser(sub: Any) -> None:
     d.add_argument("--max-new-tokens", type=int, default=384, help="response length cap when generating")
     d.add_argument("--gen-temperature", type=float, default=0.0, help="0: greedy responses (default)")
     d.add_argument("--gen-top-p", type=float, default=1.0)
+    d.add_argument("--gen-sampled-share", type=float, default=0.0,
+                   help="fraction of prompts answered at --gen-sampled-temperature (rows tagged '+sampled')")
+    d.add_argument("--gen-sampled-temperature", type=float, default=1.0)
     d.add_argument("--system-prompt", default=None)
     d.add_argument("--max-prompt-tokens", type=int, default=512)
     d.add_argument("--keep-loops", action="store_true", help="keep responses stuck in repetition loops")

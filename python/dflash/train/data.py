@@ -376,6 +376,18 @@ def _truncate_torn_tail(path: Path) -> None:
 LOOP_POLICIES = ("drop", "truncate", "keep")
 
 
+SAMPLED_SUFFIX = "+sampled"
+
+
+def sampled_row(seed: int, index: int, share: float) -> bool:
+    """Whether prompt `index` is answered by sampling: a fixed hash of (seed, index) below `share`
+    (the same rows on every machine and on resume)."""
+    if share <= 0:
+        return False
+    h = ((int(seed) * 1_000_003 + int(index)) * 2654435761 + 0x9E3779B9) % 2**32
+    return h / 2**32 < share
+
+
 def generate_dataset(
     target_dir: str | os.PathLike,
     prompts: Sequence[PromptItem],
@@ -387,6 +399,8 @@ def generate_dataset(
     seed: int = 0,
     system_prompt: str | None = None,
     max_prompt_tokens: int = 512,
+    sampled_share: float = 0.0,
+    sampled_temperature: float = 1.0,
     drop_loops: bool = True,
     loop_policy: str | None = None,
     chunk_size: int = 512,
@@ -404,7 +418,11 @@ def generate_dataset(
     repetition loop (find_loop): drop the row, truncate it after two copies of the loop's
     unit, or keep it whole.  Chunks of `chunk_size` prompts go to the runtime together
     (continuous batching within a chunk; on a GPU give large chunks and max_num_seqs in
-    session_kwargs).  Returns the meta dict (also written to <out_path>.meta.json).
+    session_kwargs).  sampled_share: the fraction of prompts (chosen by sampled_row from the
+    seed and the prompt index) answered at sampled_temperature instead of `temperature`; their
+    rows carry the source name + SAMPLED_SUFFIX, so a drafter also sees the target's sampled
+    text (what it drafts on at T > 0).  Returns the meta dict (also written to
+    <out_path>.meta.json).
     """
     import dflash
 
@@ -414,9 +432,15 @@ def generate_dataset(
     t0 = time.monotonic()
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if not 0.0 <= float(sampled_share) <= 1.0:
+        raise ValueError(f"sampled_share must be in [0, 1], got {sampled_share}")
+    if sampled_share > 0 and not sampled_temperature > 0:
+        raise ValueError(f"sampled_temperature must be > 0 with sampled_share > 0, got {sampled_temperature}")
     params = {"target": os.fspath(target_dir), "max_tokens": int(max_tokens), "temperature": float(temperature),
               "top_p": float(top_p), "seed": int(seed), "system_prompt": system_prompt,
               "max_prompt_tokens": int(max_prompt_tokens), "loop_policy": policy}
+    if sampled_share > 0:  # absent otherwise, so sets built before the option still resume
+        params.update(sampled_share=float(sampled_share), sampled_temperature=float(sampled_temperature))
     old = read_meta(out)
     if old is not None and out.exists():
         if old.get("params") != params or old.get("num_prompts") != len(prompts):
@@ -458,15 +482,17 @@ def generate_dataset(
                     continue
                 gen_idx.append(i)
                 gen_ids.append(ids)
+                sampled = sampled_row(seed, i, sampled_share)
                 gen_params.append(dflash.SamplingParams(
-                    max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                    seed=(int(seed) * 1_000_003 + i) % 2**63))
+                    max_tokens=max_tokens, temperature=sampled_temperature if sampled else temperature,
+                    top_p=top_p, seed=(int(seed) * 1_000_003 + i) % 2**63))
             outs = session.generate(gen_ids, gen_params) if gen_ids else []
             n_tokens = 0
             for i, ids, o in zip(gen_idx, gen_ids, outs):
                 resp = list(o.token_ids)
                 n_tokens += len(resp)
-                row: dict[str, Any] = {"index": i, "source": prompts[i].source, "prompt_ids": ids,
+                source = prompts[i].source + (SAMPLED_SUFFIX if sampled_row(seed, i, sampled_share) else "")
+                row: dict[str, Any] = {"index": i, "source": source, "prompt_ids": ids,
                                        "response_ids": resp, "finish_reason": o.finish_reason, "dropped": None}
                 if len(resp) < 2:
                     row["dropped"] = "short"

@@ -110,6 +110,7 @@ def _gen_spec(args: argparse.Namespace, target: str, work: Path, minutes: float)
         "num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens,
         "max_prompt_tokens": args.max_prompt_tokens, "loop_policy": args.loop_policy, "seed": args.data_seed,
         "max_num_seqs": args.gen_max_seqs, "chunk": args.gen_chunk, "threads": args.threads,
+        "sampled_share": args.gen_sampled_share, "sampled_temperature": args.gen_sampled_temperature,
         "part_bytes": FILE_LIMIT - (1 << 20),
     }
 
@@ -152,6 +153,8 @@ def _generate(spec: dict[str, Any]) -> int:
     meta = D.generate_dataset(target, items, work / "data.jsonl", max_tokens=int(spec["max_new_tokens"]),
                               max_prompt_tokens=int(spec["max_prompt_tokens"]), loop_policy=spec["loop_policy"],
                               seed=int(spec["seed"]), chunk_size=int(spec["chunk"]), max_minutes=left,
+                              sampled_share=float(spec.get("sampled_share", 0.0)),
+                              sampled_temperature=float(spec.get("sampled_temperature", 1.0)),
                               session=session, log=_log)
     if not meta["complete"]:
         _log(f"generate: {meta['num_done']}/{meta['num_prompts']} prompts in the time budget; the next call "
@@ -488,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-seed", type=int, default=0)
     g.add_argument("--gen-max-seqs", type=int, default=1024, help="max_num_seqs of the generating Session")
     g.add_argument("--gen-chunk", type=int, default=8192, help="prompts per generate() call")
+    g.add_argument("--gen-sampled-share", type=float, default=0.0,
+                   help="fraction of prompts answered by sampling (source name + '+sampled'; default 0: all greedy)")
+    g.add_argument("--gen-sampled-temperature", type=float, default=1.0, help="temperature of those answers")
     g.add_argument("--gen-minutes", type=float, help="cap on the generation time of this call")
     t = r.add_argument_group("training (one set of flags; resuming, only run-control flags may change)")
     t.add_argument("--num-layers", type=int, default=2)
