@@ -5,14 +5,20 @@ graphs, profiled with torch.profiler (CUPTI kernel activity, which also sees the
 graphs). Per kernel family: time per step, launches per step; and GPU busy time vs the step's
 wall time (the difference is launch gaps and host work).
 
+With --model DIR (and optionally --draft DIR) it profiles that target (and drafter) instead,
+e.g. SmolLM2-135M with the shipped drafter, a launch-bound pair where the gap between wall time
+and GPU busy time shows what host/GPU overlap could win.
+
 Usage (GPU machine, dflash installed): python bench/profile_gpu_step.py --out DIR
-Writes DIR/gpu_h200_step_profile.json.
+           [--model DIR [--draft DIR] [--name NAME]]
+Writes DIR/gpu_h200_step_profile.json (or DIR/gpu_h200_step_profile_NAME.json with --model).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import sys
 import tempfile
 import time
@@ -43,12 +49,12 @@ def family(name: str) -> str:
     return "other"
 
 
-def profile(sess, steps: int, warmup: int) -> dict:
+def profile(sess, steps: int, warmup: int, vocab_size: int = 151936) -> dict:
     import torch
     from dflash import _core
 
     req = _core.RequestInput()
-    req.prompt = synthetic_prompt(0, 512)
+    req.prompt = [t % vocab_size for t in synthetic_prompt(0, 512)]
     s = _core.SamplingConfig()
     s.max_tokens, s.ignore_eos = 10 * (steps + warmup) + 20, True
     req.sampling = s
@@ -82,18 +88,29 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--model", default=None, help="profile this HF target instead of the random Qwen3-8B geometry")
+    ap.add_argument("--draft", default=None, help="its DFlash drafter (with --model; default: AR only)")
+    ap.add_argument("--name", default="model", help="file suffix with --model")
     args = ap.parse_args()
     res = run_record("gpu_step_profile")
     res["point"] = {"batch": 1, "context": 512, "cuda_graphs": True}
-    work = Path(tempfile.mkdtemp(prefix="dflash_prof_"))
-    model, draft = work / "target", work / "drafter"
-    write_random_qwen3(model)
-    write_random_drafter(draft, qwen3_config(QWEN3_8B))
+    if args.model:
+        model, draft = Path(args.model), (Path(args.draft) if args.draft else None)
+        out = Path(args.out) / f"gpu_h200_step_profile_{args.name}.json"
+    else:
+        work = Path(tempfile.mkdtemp(prefix="dflash_prof_"))
+        model, draft = work / "target", work / "drafter"
+        write_random_qwen3(model)
+        write_random_drafter(draft, qwen3_config(QWEN3_8B))
+        out = Path(args.out) / "gpu_h200_step_profile.json"
+    res["model"], res["draft"] = str(model), (str(draft) if draft else None)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     kv = {"max_model_len": 4096, "kv_cache_tokens": 16384}
-    out = Path(args.out) / "gpu_h200_step_profile.json"
     for label, d in (("ar", None), ("spec", draft)):
+        if label == "spec" and d is None:
+            continue
         sess, _ = make_session(model, draft_dir=d, graphs=True, kv=kv, max_num_seqs=16)
-        res[label] = profile(sess, args.steps, warmup=3)
+        res[label] = profile(sess, args.steps, warmup=3, vocab_size=vocab)
         print(label, {k: v for k, v in res[label].items() if k != "top_kernels"}, flush=True)
         for row in res[label]["top_kernels"][:12]:
             print("   ", row, flush=True)
