@@ -206,19 +206,20 @@ def self_check() -> None:
 # Our runtime
 
 
-def write_random_drafter(out: Path, target_cfg: dict, seed: int = 1, device: str = "cuda") -> str:
-    """The DFlash-b16-geometry drafter with random bf16 weights drawn on the GPU, written by
+def write_random_drafter(out: Path, target_cfg: dict, seed: int = 1, device: str = "cuda", geometry=None) -> str:
+    """The DFlash-b16-geometry drafter (or `geometry`: num_layers, target_layer_ids, block_size,
+    mask_token_id) with random bf16 weights drawn on the GPU, written by
     write_dflash_drafter (bf16 through ml_dtypes when importable, else fp32 holding bf16 values,
     which the runtime rounds to the same bf16). Returns the file dtype."""
     import torch
 
     from dflash.drafter_format import drafter_tensor_shapes, write_dflash_drafter
 
-    c = target_cfg
+    c, geo = target_cfg, (geometry or DRAFTER)
     shapes = drafter_tensor_shapes(
-        num_layers=DRAFTER["num_layers"], hidden_size=c["hidden_size"], num_heads=c["num_attention_heads"],
+        num_layers=geo["num_layers"], hidden_size=c["hidden_size"], num_heads=c["num_attention_heads"],
         num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], intermediate_size=c["intermediate_size"],
-        fc_in_features=len(DRAFTER["target_layer_ids"]) * c["hidden_size"])
+        fc_in_features=len(geo["target_layer_ids"]) * c["hidden_size"])
     try:
         import ml_dtypes
 
@@ -234,9 +235,9 @@ def write_random_drafter(out: Path, target_cfg: dict, seed: int = 1, device: str
             t = torch.randn(*shape, generator=g, device=device, dtype=torch.bfloat16) * 0.02
         weights[name] = t.view(torch.int16).cpu().numpy().view(bf16) if bf16 is not None else t.float().cpu().numpy()
     dtype = "bfloat16" if bf16 is not None else "float32"
-    write_dflash_drafter(out, target_config=target_cfg, num_layers=DRAFTER["num_layers"],
-                         target_layer_ids=DRAFTER["target_layer_ids"], block_size=DRAFTER["block_size"],
-                         mask_token_id=DRAFTER["mask_token_id"], dtype=dtype, weights=weights)
+    write_dflash_drafter(out, target_config=target_cfg, num_layers=geo["num_layers"],
+                         target_layer_ids=geo["target_layer_ids"], block_size=geo["block_size"],
+                         mask_token_id=geo["mask_token_id"], dtype=dtype, weights=weights)
     del weights
     free_cuda_memory()
     return dtype

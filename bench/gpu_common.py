@@ -149,6 +149,18 @@ def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 6) -> float:
     return 2 * nbytes / best / 1e9
 
 
+# SmolLM2-135M's geometry (a Llama with tied embeddings), for launch-bound profiles without the GGUF.
+SMOLLM2_135M = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152}
+
+
+def llama_config(cfg: Mapping[str, int] = SMOLLM2_135M) -> dict[str, Any]:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **cfg, "rms_norm_eps": 1e-5,
+            "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+            "hidden_act": "silu", "eos_token_id": 2, "bos_token_id": 1, "attention_bias": False,
+            "mlp_bias": False, "torch_dtype": "bfloat16"}
+
+
 def qwen3_config(cfg: Mapping[str, int] = QWEN3_8B) -> dict[str, Any]:
     return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **cfg, "rms_norm_eps": 1e-6,
             "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
@@ -156,16 +168,18 @@ def qwen3_config(cfg: Mapping[str, int] = QWEN3_8B) -> dict[str, Any]:
             "attention_bias": False, "torch_dtype": "bfloat16"}
 
 
-def write_random_qwen3(out: Path, cfg: Mapping[str, int] = QWEN3_8B, seed: int = 0) -> int:
-    """A Qwen3 model directory (config.json + model.safetensors) with random bf16 weights drawn on
-    the GPU (std 0.02, norm gains 1); returns the bytes a decode step reads (decoder_weight_bytes)."""
+def write_random_qwen3(out: Path, cfg: Mapping[str, int] = QWEN3_8B, seed: int = 0, arch: str = "qwen3") -> int:
+    """A Qwen3 (or, with arch="llama", a tied-embedding Llama) model directory (config.json +
+    model.safetensors) with random bf16 weights drawn on the GPU (std 0.02, norm gains 1);
+    returns the bytes a decode step reads (decoder_weight_bytes; for the Llama, its own count)."""
     import torch
     from safetensors.torch import save_file
 
     h, nh, nkv, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     inter, v = cfg["intermediate_size"], cfg["vocab_size"]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(qwen3_config(cfg)))
+    qwen3 = arch == "qwen3"
+    (out / "config.json").write_text(json.dumps(qwen3_config(cfg) if qwen3 else llama_config(cfg)))
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def rnd(*shape, std=0.02):
@@ -174,7 +188,9 @@ def write_random_qwen3(out: Path, cfg: Mapping[str, int] = QWEN3_8B, seed: int =
     def ones(n):
         return torch.ones(n, dtype=torch.bfloat16)
 
-    t = {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h), "model.norm.weight": ones(h)}
+    t = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": ones(h)}
+    if qwen3:
+        t["lm_head.weight"] = rnd(v, h)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = ones(h)
@@ -183,14 +199,18 @@ def write_random_qwen3(out: Path, cfg: Mapping[str, int] = QWEN3_8B, seed: int =
         t[p + "self_attn.k_proj.weight"] = rnd(nkv * hd, h)
         t[p + "self_attn.v_proj.weight"] = rnd(nkv * hd, h)
         t[p + "self_attn.o_proj.weight"] = rnd(h, nh * hd)
-        t[p + "self_attn.q_norm.weight"] = ones(hd)
-        t[p + "self_attn.k_norm.weight"] = ones(hd)
+        if qwen3:
+            t[p + "self_attn.q_norm.weight"] = ones(hd)
+            t[p + "self_attn.k_norm.weight"] = ones(hd)
         t[p + "mlp.gate_proj.weight"] = rnd(inter, h)
         t[p + "mlp.up_proj.weight"] = rnd(inter, h)
         t[p + "mlp.down_proj.weight"] = rnd(h, inter)
     save_file(t, str(out / "model.safetensors"))
     weights_read = sum(x.numel() * 2 for k, x in t.items() if k != "model.embed_tokens.weight")
-    assert weights_read == decoder_weight_bytes(cfg), (weights_read, decoder_weight_bytes(cfg))
+    if qwen3:
+        assert weights_read == decoder_weight_bytes(cfg), (weights_read, decoder_weight_bytes(cfg))
+    else:  # the tied LM head reads the embedding matrix once
+        weights_read += v * h * 2
     del t
     torch.cuda.empty_cache()
     return weights_read

@@ -7,11 +7,20 @@ wall time (the difference is launch gaps and host work).
 
 With --model DIR (and optionally --draft DIR) it profiles that target (and drafter) instead,
 e.g. SmolLM2-135M with the shipped drafter, a launch-bound pair where the gap between wall time
-and GPU busy time shows what host/GPU overlap could win.
+and GPU busy time shows what host/GPU overlap could win. --smollm2-geometry does the same with
+random weights of SmolLM2-135M's shapes and the shipped drafter (no GGUF needed): host work
+does not depend on the weights (acceptance does, so the speculative step's emit work is that of
+~1 token per step). It also profiles random drafters of the shipped drafter's shape with 3 and 5
+layers (spec_3_layers, spec_5_layers): what each drafter layer adds to a speculative step.
+
+The step's wall time is taken twice: without the profiler (wall_ms_per_step_unprofiled: the
+real step) and under it; host_gap_ms_per_step = unprofiled wall - GPU busy time is what the
+GPU sits idle per step (launch latency + host work between graph replays).
 
 Usage (GPU machine, dflash installed): python bench/profile_gpu_step.py --out DIR
-           [--model DIR [--draft DIR] [--name NAME]]
-Writes DIR/gpu_h200_step_profile.json (or DIR/gpu_h200_step_profile_NAME.json with --model).
+           [--model DIR [--draft DIR] [--name NAME] | --smollm2-geometry]
+Writes DIR/gpu_h200_step_profile.json (or DIR/gpu_h200_step_profile_NAME.json with --model,
+gpu_h200_step_profile_smollm2_geometry.json with --smollm2-geometry).
 """
 
 from __future__ import annotations
@@ -27,7 +36,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu_qwen3 import make_session, synthetic_prompt, write_random_drafter  # noqa: E402
 from gpu_common import (  # noqa: E402
-    QWEN3_8B, cuda_kernel_totals, qwen3_config, run_record, write_json, write_random_qwen3)
+    QWEN3_8B, REPO_ROOT, SMOLLM2_135M, cuda_kernel_totals, qwen3_config, run_record, write_json,
+    write_random_qwen3)
+
+SHIPPED_DRAFTER = REPO_ROOT / "python" / "dflash" / "drafters" / "SmolLM2-135M-Instruct"
 
 FAMILIES = [  # (family, substrings of the kernel name), first match wins
     ("attention", ("paged_attention",)),
@@ -56,12 +68,20 @@ def profile(sess, steps: int, warmup: int, vocab_size: int = 151936) -> dict:
     req = _core.RequestInput()
     req.prompt = [t % vocab_size for t in synthetic_prompt(0, 512)]
     s = _core.SamplingConfig()
-    s.max_tokens, s.ignore_eos = 10 * (steps + warmup) + 20, True
+    s.max_tokens, s.ignore_eos = 10 * (6 * steps + warmup) + 20, True
     req.sampling = s
     rid = sess.add_request(req)
     for _ in range(warmup + 1):
         sess.step()
     torch.cuda.synchronize()
+    walls = []
+    for _ in range(5):  # the real step: no profiler, median of 5 runs of `steps` steps
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            sess.step()
+        walls.append((time.perf_counter() - t0) / steps)
+    walls.sort()
+    wall_plain = walls[len(walls) // 2]
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         t0 = time.perf_counter()
@@ -78,8 +98,10 @@ def profile(sess, steps: int, warmup: int, vocab_size: int = 151936) -> dict:
         f["launches_per_step"] += n / steps
     busy = sum(f["us_per_step"] for f in fams.values())
     top = sorted(((us / steps, n / steps, name[:120]) for name, (us, n) in per_name.items()), reverse=True)[:25]
-    return {"wall_ms_per_step": wall * 1e3, "gpu_busy_ms_per_step": busy / 1e3,
-            "gaps_ms_per_step": wall * 1e3 - busy / 1e3,
+    return {"wall_ms_per_step_unprofiled": wall_plain * 1e3, "wall_ms_per_step": wall * 1e3,
+            "gpu_busy_ms_per_step": busy / 1e3, "gaps_ms_per_step": wall * 1e3 - busy / 1e3,
+            "host_gap_ms_per_step": wall_plain * 1e3 - busy / 1e3,
+            "host_gap_fraction": (wall_plain * 1e3 - busy / 1e3) / (wall_plain * 1e3),
             "families": {k: {kk: round(vv, 2) for kk, vv in v.items()} for k, v in sorted(fams.items())},
             "top_kernels": [{"us_per_step": round(a, 2), "launches_per_step": b, "name": c} for a, b, c in top]}
 
@@ -91,12 +113,19 @@ def main():
     ap.add_argument("--model", default=None, help="profile this HF target instead of the random Qwen3-8B geometry")
     ap.add_argument("--draft", default=None, help="its DFlash drafter (with --model; default: AR only)")
     ap.add_argument("--name", default="model", help="file suffix with --model")
+    ap.add_argument("--smollm2-geometry", action="store_true",
+                    help="random weights of SmolLM2-135M's shapes + the shipped drafter")
     args = ap.parse_args()
     res = run_record("gpu_step_profile")
     res["point"] = {"batch": 1, "context": 512, "cuda_graphs": True}
     if args.model:
         model, draft = Path(args.model), (Path(args.draft) if args.draft else None)
         out = Path(args.out) / f"gpu_h200_step_profile_{args.name}.json"
+    elif args.smollm2_geometry:
+        work = Path(tempfile.mkdtemp(prefix="dflash_prof_"))
+        model, draft = work / "target", SHIPPED_DRAFTER
+        write_random_qwen3(model, SMOLLM2_135M, arch="llama")
+        out = Path(args.out) / "gpu_h200_step_profile_smollm2_geometry.json"
     else:
         work = Path(tempfile.mkdtemp(prefix="dflash_prof_"))
         model, draft = work / "target", work / "drafter"
@@ -106,7 +135,16 @@ def main():
     res["model"], res["draft"] = str(model), (str(draft) if draft else None)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     kv = {"max_model_len": 4096, "kv_cache_tokens": 16384}
-    for label, d in (("ar", None), ("spec", draft)):
+    runs = [("ar", None), ("spec", draft)]
+    if args.smollm2_geometry:
+        ship = json.loads((SHIPPED_DRAFTER / "config.json").read_text())
+        for n in (3, 5):
+            d = work / f"drafter_{n}_layers"
+            write_random_drafter(d, json.loads((model / "config.json").read_text()), geometry={
+                "num_layers": n, "target_layer_ids": ship["dflash_config"]["target_layer_ids"],
+                "block_size": ship["block_size"], "mask_token_id": ship["dflash_config"]["mask_token_id"]})
+            runs.append((f"spec_{n}_layers", d))
+    for label, d in runs:
         if label == "spec" and d is None:
             continue
         sess, _ = make_session(model, draft_dir=d, graphs=True, kv=kv, max_num_seqs=16)

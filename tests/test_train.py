@@ -235,6 +235,26 @@ def test_resume_is_exact(target, dataset, tmp_path):
     assert (tmp_path / "c" / "checkpoint" / "state.pt").exists() and (tmp_path / "c" / "drafter").is_dir()
 
 
+def test_warm_start_from_published_drafter(target, dataset, tmp_path):
+    """init_from: a fresh run starts from an exported drafter (its shape, taps, block and mask
+    replace the given ones); with lr 0 the weights stay those of the export, and resuming the
+    warm-started run works with init_from pointing elsewhere (it only seeds a fresh run)."""
+    first = T.train(_small_config(target, tmp_path / "a", dataset, steps=4), log=None)
+    src = tmp_path / "a" / "drafter"
+    warm = _small_config(target, tmp_path / "b", dataset, steps=4, lr=0.0, init_from=str(src), num_layers=1,
+                         block_size=8, target_layer_ids=[1])
+    second = T.train(warm, log=None, stop_after_steps=2)
+    saved = json.loads((tmp_path / "b" / "train_config.json").read_text())
+    assert (saved["num_layers"], saved["block_size"], saved["target_layer_ids"]) == (2, 4, [0, 1])
+    sa, sb = first["model"].state_dict(), second["model"].state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    moved = tmp_path / "moved"
+    src.rename(moved)
+    resumed = T.train(_small_config(target, tmp_path / "b", dataset, steps=4, lr=0.0, init_from=str(moved)),
+                      resume=True, log=None)
+    assert resumed["step"] == 4 and all(torch.equal(sa[k], resumed["model"].state_dict()[k]) for k in sa)
+
+
 def test_cli_train_end_to_end(target, tmp_path):
     from dflash.cli import main
 

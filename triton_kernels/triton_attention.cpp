@@ -50,8 +50,9 @@ static_assert(g::paged_attention_decode_hd128_m16::kBlockM == kDecodeSmallM &&
 constexpr int kMaxSplits = g::paged_attention_split_reduce_hd64::kMaxSplits;
 static_assert(g::paged_attention_split_reduce_hd128::kMaxSplits == kMaxSplits, "max splits");
 
-// Split-KV heuristics: aim at two CTAs per SM, each over at least this many keys.
-constexpr int64_t kMinKeysPerSplit = 256;
+// Split-KV heuristics: aim at two CTAs per SM, each over at least this many keys of max_kv_len
+// (one BLOCK_N tile: in decode graphs max_kv_len is an upper bound, so splits must stay cheap).
+constexpr int64_t kMinKeysPerSplit = 64;
 constexpr int kCtasPerSm = 2;
 
 PrefillKernel prefill_kernel(int head_dim) {

@@ -254,12 +254,10 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
   a.causal = meta.causal;
   a.window = static_cast<int32_t>(meta.window);
   a.scale = 1.0f / std::sqrt(static_cast<float>(pool.head_dim));
-  // Split-KV for long contexts: one persistent workspace, reused by every call (the calls run
-  // in order on one stream); the number of splits adapts to what fits in it.
-  if (meta.max_kv_len >= 2048) {
-    a.workspace = attention_workspace_;
-    a.workspace_bytes = attention_workspace_bytes_;
-  }
+  // Split-KV: one persistent workspace, reused by every call (the calls run in order on one
+  // stream); the split count follows max_kv_len (>= 256 keys per split) and what fits in it.
+  a.workspace = attention_workspace_;
+  a.workspace_bytes = attention_workspace_bytes_;
   CUresult r = triton_aot::paged_attention(*triton_, stream_, a);
   DFLASH_CHECK(r == CUDA_SUCCESS, "Triton paged attention failed (CUresult ", static_cast<int>(r), ")");
 }

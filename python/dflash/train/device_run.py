@@ -215,7 +215,7 @@ def _train_options(args: argparse.Namespace, target: str, run_dir: Path, data: P
         "device": args.device, "attention": args.attention, "sdpa_group_blocks": args.sdpa_group_blocks,
         "state_format": args.state_format, "state_part_mib": args.state_part_mib, "export_dtype": "bfloat16",
         "save_every": args.save_every, "log_every": args.log_every, "eval_every": args.eval_every,
-        "reserve_seconds": args.reserve_seconds, "amp": args.amp,
+        "reserve_seconds": args.reserve_seconds, "amp": args.amp, "init_from": args.init_from,
     }
     if args.steps:
         opts["steps"] = args.steps
@@ -496,6 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gen-sampled-temperature", type=float, default=1.0, help="temperature of those answers")
     g.add_argument("--gen-minutes", type=float, help="cap on the generation time of this call")
     t = r.add_argument_group("training (one set of flags; resuming, only run-control flags may change)")
+    t.add_argument("--init-from", help="warm start: a published drafter dir (its shape, taps, block and mask "
+                   "replace the shape flags); ignored when the run resumes from a checkpoint")
     t.add_argument("--num-layers", type=int, default=2)
     t.add_argument("--block-size", type=int, default=8)
     t.add_argument("--target-layer-ids", default=SMOLLM2_TAPS, help="comma-separated; '' = the default rule")

@@ -115,9 +115,10 @@ class TrainConfig:
 # Fields that may differ when resuming; every other field must match the checkpoint.  The
 # target and data paths may move between machines (the data's index space is checked
 # against the cursor; a different target fails at loading unless it has the same shapes).
+# init_from only seeds a fresh run, so a resumed run ignores where it points now.
 RUNTIME_KEYS = frozenset({"target", "data", "device", "max_minutes", "reserve_seconds", "save_every", "log_every", "eval_every",
                           "export_dtype", "eval_data", "ce_chunk_rows", "attention", "sdpa_group_blocks", "amp",
-                          "state_format", "state_part_mib", "plan_minutes"})
+                          "state_format", "state_part_mib", "plan_minutes", "init_from"})
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
