@@ -274,3 +274,41 @@ def cuda_kernel_totals(prof: Any) -> dict[str, list]:
             per[ev.name][0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
             per[ev.name][1] += 1
     return dict(per)
+
+
+def cuda_kernel_intervals(prof: Any) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every GPU activity (kernels, copies, sets) of a
+    torch.profiler run, sorted by start."""
+    import torch
+
+    out = []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            out.append((float(ev.time_range.start), float(ev.time_range.end)))
+    return sorted(out)
+
+
+def split_idle_time(intervals: list[tuple[float, float]], steps: int) -> dict[str, float]:
+    """Idle time of the GPU between consecutive activities of `steps` back-to-back steps (pure
+    Python). The `steps - 1` longest gaps are taken as the gaps between steps (host work, the
+    synchronisation and the next launch); every other gap lies inside a step (launch gaps between
+    the kernels of one graph). Per step, microseconds: busy (union of activity), span (first start
+    to last end / steps), between_steps, within_steps, largest_within."""
+    if not intervals or steps < 1:
+        return {}
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    busy = sum(b - a for a, b in merged)
+    gaps = sorted((merged[i + 1][0] - merged[i][1] for i in range(len(merged) - 1)), reverse=True)
+    between = gaps[: steps - 1]
+    within = gaps[steps - 1:]
+    span = merged[-1][1] - merged[0][0]
+    return {"busy_us_per_step": busy / steps, "span_us_per_step": span / steps,
+            "between_steps_us_per_step": sum(between) / max(1, steps - 1),
+            "within_steps_us_per_step": sum(within) / steps,
+            "largest_within_us": within[0] if within else 0.0,
+            "smallest_between_us": between[-1] if between else 0.0}

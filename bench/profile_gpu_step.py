@@ -15,7 +15,10 @@ layers (spec_3_layers, spec_5_layers): what each drafter layer adds to a specula
 
 The step's wall time is taken twice: without the profiler (wall_ms_per_step_unprofiled: the
 real step) and under it; host_gap_ms_per_step = unprofiled wall - GPU busy time is what the
-GPU sits idle per step (launch latency + host work between graph replays).
+GPU sits idle per step (launch latency + host work between graph replays). timeline_profiled
+splits the profiled run's GPU idle time into the gaps between steps (host work, synchronisation,
+graph launch: what host/GPU overlap could hide) and the gaps between kernels inside a step's
+graph (what overlap cannot hide); under the profiler the between-step gaps are inflated.
 
 Usage (GPU machine, dflash installed): python bench/profile_gpu_step.py --out DIR
            [--model DIR [--draft DIR] [--name NAME] | --smollm2-geometry]
@@ -36,8 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu_qwen3 import make_session, synthetic_prompt, write_random_drafter  # noqa: E402
 from gpu_common import (  # noqa: E402
-    QWEN3_8B, REPO_ROOT, SMOLLM2_135M, cuda_kernel_totals, qwen3_config, run_record, write_json,
-    write_random_qwen3)
+    QWEN3_8B, REPO_ROOT, SMOLLM2_135M, cuda_kernel_intervals, cuda_kernel_totals, qwen3_config, run_record,
+    split_idle_time, write_json, write_random_qwen3)
 
 SHIPPED_DRAFTER = REPO_ROOT / "python" / "dflash" / "drafters" / "SmolLM2-135M-Instruct"
 
@@ -91,6 +94,7 @@ def profile(sess, steps: int, warmup: int, vocab_size: int = 151936) -> dict:
     sess.abort(rid)
     sess.take_result(rid)
     per_name = cuda_kernel_totals(prof)
+    idle = split_idle_time(cuda_kernel_intervals(prof), steps)
     fams = collections.defaultdict(lambda: {"us_per_step": 0.0, "launches_per_step": 0.0})
     for name, (us, n) in per_name.items():
         f = fams[family(name)]
@@ -102,6 +106,7 @@ def profile(sess, steps: int, warmup: int, vocab_size: int = 151936) -> dict:
             "gpu_busy_ms_per_step": busy / 1e3, "gaps_ms_per_step": wall * 1e3 - busy / 1e3,
             "host_gap_ms_per_step": wall_plain * 1e3 - busy / 1e3,
             "host_gap_fraction": (wall_plain * 1e3 - busy / 1e3) / (wall_plain * 1e3),
+            "timeline_profiled": {k: round(v, 2) for k, v in idle.items()},
             "families": {k: {kk: round(vv, 2) for kk, vv in v.items()} for k, v in sorted(fams.items())},
             "top_kernels": [{"us_per_step": round(a, 2), "launches_per_step": b, "name": c} for a, b, c in top]}
 

@@ -73,3 +73,23 @@ def test_acceptance_headline_keys(tmp_path):
     assert figs["tau_mtbench_t0"] == 2.6 and "tau_math_t1" not in figs and figs["acceptance_date"] == "d"
     e2e = u.e2e_figures({"speedup": 2.5, "date": "e", "command": "c"}, "gpu")
     assert e2e == {"smollm2_dflash_speedup_gpu": 2.5, "e2e_gpu_date": "e", "e2e_gpu_command": "c"}
+
+
+def test_split_idle_time_separates_step_gaps_from_kernel_gaps():
+    # 3 steps of 3 kernels (1 us gaps inside a step), 20 us between steps; one overlap merges
+    steps = []
+    t = 0.0
+    for _ in range(3):
+        for _ in range(3):
+            steps.append((t, t + 10.0))
+            t += 11.0
+        t += 19.0  # 20 us after the last kernel's end (incl. the 1 us already added)
+    steps.append((5.0, 12.0))  # overlaps the first two kernels of step 1: merged, no gap lost
+    C = _bench_module("gpu_common")
+    r = C.split_idle_time(steps, 3)
+    assert abs(r["busy_us_per_step"] - 91.0 / 3) < 1e-9  # the overlap also fills step 1's first 1 us gap
+    assert r["between_steps_us_per_step"] == 20.0 and r["smallest_between_us"] == 20.0
+    assert abs(r["within_steps_us_per_step"] - 5.0 / 3) < 1e-9  # 2 x 1 us per step, one closed by the overlap
+    assert r["largest_within_us"] == 1.0
+    assert C.split_idle_time([], 3) == {}
+    assert r["span_us_per_step"] == (steps[-2][1] - 0.0) / 3
