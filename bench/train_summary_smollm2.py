@@ -147,14 +147,8 @@ def main() -> None:
     for p, x in zip(pts, xs):
         ax.annotate(f"{p['epochs']:.1f} ep", (x, p["tau_128_heldout"]), textcoords="offset points", xytext=(0, -14),
                     ha="center", fontsize=8)
-    ax.set_xlabel("training sequences seen (thousands; 39.8K distinct rows)")
-    ax.set_ylabel("acceptance length tau")
-    ax.set_title("SmolLM2-135M drafter (2 layers, B=8) on the H200")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "tau_vs_data.png", dpi=120)
-    print(f"wrote {RESULTS / 'tau_vs_data.png'}")
+    _finish(fig, ax, "training sequences seen (thousands; 39.8K distinct rows)", "acceptance length tau",
+            "SmolLM2-135M drafter (2 layers, B=8) on the H200", "tau_vs_data.png")
     if summary["run2"]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, label in (("b", "2 layers"), ("c", "3 layers")):
@@ -162,14 +156,19 @@ def main() -> None:
             rows = [r for r in rows if "sim_al" in r]
             ax.plot([r["step"] for r in rows], [r["sim_al"] for r in rows], "o-", ms=3,
                     label=f"{label} (held-out tau {summary['run2'][{'b': 'b_two_layers_scratch', 'c': 'c_three_layers_scratch'}[name]]['tau_128_heldout']:.2f})")
-        ax.set_xlabel("step (32 sequences)")
-        ax.set_ylabel("training-batch simulated acceptance")
-        ax.set_title("SmolLM2 drafter depth, from scratch, same schedule (H200)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(RESULTS / "depth_comparison.png", dpi=120)
-        print(f"wrote {RESULTS / 'depth_comparison.png'}")
+        _finish(fig, ax, "step (32 sequences)", "training-batch simulated acceptance",
+                "SmolLM2 drafter depth, from scratch, same schedule (H200)", "depth_comparison.png")
+
+
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, name: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / name, dpi=120)
+    print(f"wrote {RESULTS / name}")
 
 
 if __name__ == "__main__":

@@ -293,7 +293,9 @@ def _tau(spec: dict[str, Any]) -> int:
     if spec["device"] == "cpu" and spec.get("threads"):
         kw["num_threads"] = int(spec["threads"])
     elif spec["device"] != "cpu":
-        kw["gpu_memory_utilization"] = 0.5
+        # an explicit cache (every held-out request at full length) rather than a fraction of the
+        # GPU's memory: trainings sharing the GPU hold memory that a fraction does not see
+        kw["kv_cache_tokens"] = len(rows) * (max_len + 64)
     session = dflash.Session(spec["target"], draft=spec["drafter"], device=spec["device"], max_model_len=max_len,
                              max_num_seqs=max(1, len(rows)), **kw)
     t = time.monotonic()
