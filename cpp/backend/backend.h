@@ -105,8 +105,28 @@ class Backend {
   virtual void linear(const Tensor& x, const Tensor& w, Tensor& out) = 0;
   // out[T, I] = silu(gate_up[T, :I]) * gate_up[T, I:]
   virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
-  // out[T, H] = a[T, H] + b[T, H]
+  // out[T, H] = a[T, H] + b[T, H]  (out may be a)
   virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;
+
+  // The linear layers of a decoder layer with their neighbours, which a backend may fuse (the
+  // defaults compose the ops above; `normed`, `act` and `proj` are scratch of the unfused form):
+  // out[T, N] = (rmsnorm(x[T, K]) * norm_w[K]) @ w[N, K]^T
+  virtual void rms_norm_linear(const Tensor& x, const Tensor& norm_w, float eps, const Tensor& w, Tensor& out,
+                               Tensor& normed) {
+    rms_norm(x, norm_w, eps, normed);
+    linear(normed, w, out);
+  }
+  // residual[T, N] += x[T, K] @ w[N, K]^T
+  virtual void linear_add(const Tensor& x, const Tensor& w, Tensor& residual, Tensor& proj) {
+    linear(x, w, proj);
+    add(residual, proj, residual);
+  }
+  // residual[T, N] += (silu(gate_up[T, :I]) * gate_up[T, I:]) @ w[N, I]^T
+  virtual void silu_mul_linear_add(const Tensor& gate_up, const Tensor& w, Tensor& residual, Tensor& act,
+                                   Tensor& proj) {
+    silu_mul(gate_up, act);
+    linear_add(act, w, residual, proj);
+  }
   // Splits qkv[T, (nh + 2 nkv) hd] into q[T, nh, hd], k[T, nkv, hd], v[T, nkv, hd]; applies the
   // per-head RMSNorm to q and k when q_norm/k_norm [hd] are non-empty (Qwen3), then
   // rotate-half RoPE at positions[T] with inv_freq[hd/2] and the attention scaling factor.
