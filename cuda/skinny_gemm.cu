@@ -28,6 +28,10 @@
 // rms_norm and silu_mul kernels, then runs the same main loop on it; the add epilogue
 // accumulates into a bf16 residual stream. This removes the norm / activation / add launches of
 // a decoder layer (a small model's decode step is launch-bound).
+//
+// Programmatic dependent launch: each CTA asks L2 to prefetch its weight rows (they depend on no
+// kernel) before it waits for the kernel ahead in the stream (detail::pdl_begin), so with
+// DFLASH_PDL on the weight stream starts while that kernel is still finishing.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 
@@ -132,6 +136,19 @@ __global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* _
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * (16 * R);
+  // Before waiting for the kernel ahead (programmatic dependent launch): this CTA's weight rows,
+  // which no kernel writes, start streaming into L2 while that kernel finishes.
+  if (warp == 0) {
+    constexpr int64_t kPiece = 32 * 1024;
+    const int64_t bytes = static_cast<int64_t>(min(16 * R, N - row0)) * K * 2;
+    const char* base = reinterpret_cast<const char*>(w + static_cast<int64_t>(row0) * K);
+    const int64_t at = lane * kPiece;
+    if (at < bytes) {
+      const uint32_t size = static_cast<uint32_t>(min(kPiece, bytes - at));
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + at), "r"(size) : "memory");
+    }
+  }
+  detail::pdl_begin();
   constexpr bool kStaged = IN != 0;
   extern __shared__ float red[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(red + num_warps * (8 * NT) * red_stride(R));
@@ -333,7 +350,7 @@ cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, i
                                                static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
-  kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, stream>>>(in, w, static_cast<int>(m), static_cast<int>(n),
+  detail::launch(kernel, static_cast<unsigned>(blocks), warps * 32, smem, stream, in, w, static_cast<int>(m), static_cast<int>(n),
                                                                        static_cast<int>(k), out, f.gamma, f.eps);
   return cudaGetLastError();
 }
@@ -374,7 +391,7 @@ cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t 
                                                static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
-  kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, stream>>>(
+  detail::launch(kernel, static_cast<unsigned>(blocks), warps * 32, smem, stream, 
       x, w, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), out, nullptr, 0.0f);
   return cudaGetLastError();
 }

@@ -48,6 +48,8 @@ CudaBackend::GemmMode gemm_mode_from_env() {
 
 CudaBackend::CudaBackend(int device, size_t scratch_bytes) : device_(device), scratch_bytes_(scratch_bytes) {
   gemm_mode_ = gemm_mode_from_env();  // first: it may throw, before anything is allocated
+  const char* fused = std::getenv("DFLASH_FUSED");  // "0": unfused layer ops, for A/B timing
+  fused_layers_ = !(fused != nullptr && std::string(fused) == "0");
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
@@ -189,7 +191,7 @@ bool CudaBackend::skinny_for(int64_t m, const Tensor& w) const {
 
 bool CudaBackend::try_fused(const Tensor& in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion,
                             Tensor& out) {
-  if (!skinny_for(m, w) || !cuda::skinny_gemm_fused_supports(in.data, w.data, m, w.dim(1), fusion)) return false;
+  if (!fused_layers_ || !skinny_for(m, w) || !cuda::skinny_gemm_fused_supports(in.data, w.data, m, w.dim(1), fusion)) return false;
   check_bf16(in, "fused linear input");
   check_bf16(out, "fused linear output");
   DFLASH_CUDA_CHECK(cuda::skinny_gemm_fused(bf(in), bf(w), m, w.dim(0), w.dim(1), fusion, bf(out), stream_));

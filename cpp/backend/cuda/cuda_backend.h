@@ -115,6 +115,7 @@ class CudaBackend final : public Backend {
   static constexpr int64_t kSkinnyGemmRows = 16;
   static constexpr int64_t kSkinnyGemmMaxWeight = int64_t{4096} * 4096;
   GemmMode gemm_mode_ = GemmMode::kAuto;
+  bool fused_layers_ = true;  // DFLASH_FUSED=0: the layer ops compose the unfused kernels
   std::unique_ptr<triton_aot::Modules> triton_;
 };
 
