@@ -67,22 +67,26 @@ def _drafter(tmp_path, target):
     return write_dflash_drafter(tmp_path / "d", target_config=cfg, num_layers=2, target_layer_ids=[0, 1], block_size=8)
 
 
-@pytest.mark.parametrize("spec", [False, True])
-@pytest.mark.parametrize("name", ["llama_hd64", "qwen3_hd128"])
-def test_pdl_off_is_bit_identical(name, spec, tiny_model_dirs, tmp_path):
+CASES = pytest.mark.parametrize("name,spec", [(n, s) for n in ("llama_hd64", "qwen3_hd128") for s in (False, True)])
+
+
+def _pair(tiny_model_dirs, tmp_path, name, spec, **env):
+    """The default run and one with `env`, on the same target (and drafter)."""
     target = tiny_model_dirs[name]
     draft = _drafter(tmp_path, target) if spec else None
-    on, off = _run(target, draft), _run(target, draft, DFLASH_PDL="0")
+    return _run(target, draft), _run(target, draft, **env)
+
+
+@CASES
+def test_pdl_off_is_bit_identical(name, spec, tiny_model_dirs, tmp_path):
+    on, off = _pair(tiny_model_dirs, tmp_path, name, spec, DFLASH_PDL="0")
     assert on["tokens"] == off["tokens"]
     assert on["logits"] == off["logits"]
 
 
-@pytest.mark.parametrize("spec", [False, True])
-@pytest.mark.parametrize("name", ["llama_hd64", "qwen3_hd128"])
+@CASES
 def test_fused_layers_match_unfused(name, spec, tiny_model_dirs, tmp_path):
-    target = tiny_model_dirs[name]
-    draft = _drafter(tmp_path, target) if spec else None
-    fused, unfused = _run(target, draft), _run(target, draft, DFLASH_FUSED="0")
+    fused, unfused = _pair(tiny_model_dirs, tmp_path, name, spec, DFLASH_FUSED="0")
     a, b = np.asarray(fused["logits"]), np.asarray(unfused["logits"])
     same = sum(x == y for x, y in zip(fused["tokens"], unfused["tokens"]))
     print(f"{name} spec={spec}: max |logit delta| {np.abs(a - b).max():.4f} (max |logit| {np.abs(b).max():.3f}); "
