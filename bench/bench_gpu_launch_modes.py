@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Side-by-side timing of the CUDA backend's launch switches, all in one job on one GPU:
 programmatic dependent launch (DFLASH_PDL, on by default) and the fused decoder-layer GEMMs
-(DFLASH_FUSED, on by default), each on and off. Both are read once per process, so every mode
+(DFLASH_FUSED, on by default), each on and off, and both on with every small-batch linear layer
+on the skinny kernel (DFLASH_GEMM=skinny). Both are read once per process, so every mode
 runs in its own worker process, one after the other, on the same model files.
 
 Points (batch 1, context 512, CUDA graphs, bench/profile_gpu_step.py's profile()):
@@ -33,7 +34,10 @@ from gpu_common import (  # noqa: E402
     write_random_qwen3)
 
 MODES = {"pdl+fused": {}, "fused": {"DFLASH_PDL": "0"}, "pdl": {"DFLASH_FUSED": "0"},
-         "off": {"DFLASH_PDL": "0", "DFLASH_FUSED": "0"}}
+         "off": {"DFLASH_PDL": "0", "DFLASH_FUSED": "0"},
+         # every linear layer of up to 16 rows on the skinny kernel (Qwen3-8B's QKV, gate/up and
+         # down too, so their norms and SiLU fuse as well): does it beat cuBLASLt with PDL?
+         "pdl+fused+skinny_all": {"DFLASH_GEMM": "skinny"}}
 KV = {"max_model_len": 4096, "kv_cache_tokens": 16384}
 
 
