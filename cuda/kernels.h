@@ -152,5 +152,9 @@ cudaError_t argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_
 cudaError_t assemble_drafts(const int32_t* proposed, const int32_t* override_drafts, const int32_t* use_override,
                             int64_t rows, int64_t n, int32_t* drafts, int32_t* verify_ids, cudaStream_t stream);
 
+// ids[R]: ids[i] = feed[i] >= 0 ? prev[feed[i]] : ids[i]  (a pipelined decode step's anchors,
+// taken from the previous step's sampled tokens prev[] on the device)
+cudaError_t feed_tokens(int32_t* ids, const int32_t* feed, const int32_t* prev, int64_t rows, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace dflash

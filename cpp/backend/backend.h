@@ -176,11 +176,20 @@ class Backend {
   virtual void kv_norm_rope_write_layers(const Tensor& kv, const Tensor& k_norm, float eps, const Tensor& positions,
                                          const Tensor& inv_freq, const Tensor& slots, KVPool& pool) = 0;
 
+  // ids[R] (int32): ids[i] = feed[i] >= 0 ? prev[feed[i]] : ids[i]  (pipelined decode: the
+  // anchors of a step launched before the host has read the previous step's tokens prev[])
+  virtual void feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) = 0;
+
   // --- Host staging and copies on the backend's stream (plain memcpy on the CPU) ---
   // Host memory the device can copy from/to asynchronously (pinned on CUDA).
   virtual std::shared_ptr<void> host_alloc(size_t bytes) = 0;
   virtual void copy_to_device(Tensor& dst, const void* host, size_t bytes) = 0;
   virtual void copy_to_host(void* host, const Tensor& src, size_t bytes) = 0;
+  // Step markers (slots 0 and 1): record_step(s) marks the work queued so far; wait_step(s)
+  // returns when that work is done (later work may still run). The CPU runs ops as they are
+  // issued, so both are no-ops there.
+  virtual void record_step(int slot) {}
+  virtual void wait_step(int slot) {}
 
   // --- Graphs (CUDA): the ops issued between capture_begin and capture_end are recorded, not
   // run; graph_launch replays them. Tensors they touch must outlive the graph. ---

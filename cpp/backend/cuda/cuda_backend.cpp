@@ -63,6 +63,7 @@ CudaBackend::CudaBackend(int device, size_t scratch_bytes) : device_(device), sc
   DFLASH_CHECK(prop.major == 9, "the CUDA backend is built for Hopper (sm_90a); device ", device, " is sm_",
                prop.major, prop.minor);
   DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  for (cudaEvent_t& e : step_events_) DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   DFLASH_CUDA_CHECK(cudaMalloc(&scratch_, scratch_bytes_));
   DFLASH_CUDA_CHECK(cudaMalloc(&gemm_workspace_, gemm_workspace_bytes_));
   DFLASH_CUDA_CHECK(cudaMalloc(&attention_workspace_, attention_workspace_bytes_));
@@ -74,6 +75,9 @@ CudaBackend::~CudaBackend() {
   triton_.reset();
   gemm_.reset();
   if (stream_) cudaStreamSynchronize(stream_);
+  for (cudaEvent_t e : step_events_) {
+    if (e) cudaEventDestroy(e);
+  }
   if (gemm_workspace_) cudaFree(gemm_workspace_);
   if (attention_workspace_) cudaFree(attention_workspace_);
   if (scratch_) cudaFree(scratch_);
@@ -371,6 +375,21 @@ void CudaBackend::accept(const Tensor& drafts, const Tensor& logits, const Tenso
   DFLASH_CUDA_CHECK(cuda::accept_drafts(drafts.ptr<int32_t>(), logits.ptr<float>(), rows, n, logits.dim(-1),
                                         static_cast<const cuda::SampleParams*>(params.data),
                                         num_accepted.ptr<int32_t>(), next_token.ptr<int32_t>(), stream_));
+}
+
+void CudaBackend::feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) {
+  DFLASH_CUDA_CHECK(cuda::feed_tokens(ids.ptr<int32_t>(), feed.ptr<int32_t>(), prev.ptr<int32_t>(), ids.numel(),
+                                      stream_));
+}
+
+void CudaBackend::record_step(int slot) {
+  DFLASH_CHECK(slot == 0 || slot == 1, "record_step: slot ", slot);
+  DFLASH_CUDA_CHECK(cudaEventRecord(step_events_[slot], stream_));
+}
+
+void CudaBackend::wait_step(int slot) {
+  DFLASH_CHECK(slot == 0 || slot == 1, "wait_step: slot ", slot);
+  DFLASH_CUDA_CHECK(cudaEventSynchronize(step_events_[slot]));
 }
 
 void CudaBackend::assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,

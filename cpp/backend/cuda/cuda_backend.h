@@ -77,6 +77,9 @@ class CudaBackend final : public Backend {
   void sample_rows(const Tensor& logits, const Tensor& params, Tensor& tokens) override;
   void accept(const Tensor& drafts, const Tensor& logits, const Tensor& params, Tensor& num_accepted,
               Tensor& next_token) override;
+  void feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) override;
+  void record_step(int slot) override;
+  void wait_step(int slot) override;
   void assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,
                        Tensor& drafts, Tensor& verify_ids) override;
   void kv_norm_rope_write_layers(const Tensor& kv, const Tensor& k_norm, float eps, const Tensor& positions,
@@ -99,6 +102,7 @@ class CudaBackend final : public Backend {
 
   int device_;
   cudaStream_t stream_ = nullptr;
+  cudaEvent_t step_events_[2] = {nullptr, nullptr};  // record_step / wait_step
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   size_t scratch_used_ = 0;
