@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Side-by-side timing of the CUDA backend's launch switches, all in one job on one GPU:
 programmatic dependent launch (DFLASH_PDL, on by default) and the fused decoder-layer GEMMs
-(DFLASH_FUSED, on by default), each on and off, and both on with every small-batch linear layer
-on the skinny kernel (DFLASH_GEMM=skinny). Both are read once per process, so every mode
+(DFLASH_FUSED, on by default), each on and off, both on with every small-batch linear layer
+on the skinny kernel (DFLASH_GEMM=skinny), and both on with pipelined AR decoding (async_decode). Both are read once per process, so every mode
 runs in its own worker process, one after the other, on the same model files.
 
 Points (batch 1, context 512, CUDA graphs, bench/profile_gpu_step.py's profile()):
@@ -37,7 +37,10 @@ MODES = {"pdl+fused": {}, "fused": {"DFLASH_PDL": "0"}, "pdl": {"DFLASH_FUSED": 
          "off": {"DFLASH_PDL": "0", "DFLASH_FUSED": "0"},
          # every linear layer of up to 16 rows on the skinny kernel (Qwen3-8B's QKV, gate/up and
          # down too, so their norms and SiLU fuse as well): does it beat cuBLASLt with PDL?
-         "pdl+fused+skinny_all": {"DFLASH_GEMM": "skinny"}}
+         "pdl+fused+skinny_all": {"DFLASH_GEMM": "skinny"},
+         # pipelined AR decoding (Session async_decode; the worker reads this variable): the AR
+         # points only, the speculative one runs as in pdl+fused
+         "pdl+fused+async": {"DFLASH_BENCH_ASYNC": "1"}}
 KV = {"max_model_len": 4096, "kv_cache_tokens": 16384}
 
 
@@ -49,8 +52,9 @@ def worker(args) -> None:
     out = {}
     for label, model, draft in json.loads(args.points):
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        async_ar = os.environ.get("DFLASH_BENCH_ASYNC") == "1" and not draft
         sess, _ = make_session(Path(model), draft_dir=Path(draft) if draft else None, graphs=True, kv=KV,
-                               max_num_seqs=16)
+                               max_num_seqs=16, async_decode=async_ar)
         r = profile(sess, args.steps, warmup=3, vocab_size=vocab)
         out[label] = {k: v for k, v in r.items() if k != "top_kernels"}
         out[label]["launches_per_step"] = round(sum(f["launches_per_step"] for f in r["families"].values()), 1)
