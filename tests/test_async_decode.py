@@ -119,3 +119,33 @@ def test_async_refuses_a_drafter(tiny_model_dirs, tmp_path):
         dflash.Session(target, draft=dr, device="cpu", async_decode=True)
     with pytest.raises(ValueError, match="True or False"):
         dflash.Session(target, device="cpu", async_decode=1)
+
+
+def test_async_with_padded_batches(tiny_model_dirs):
+    """The CUDA path pads decode steps to the graph sizes (the CPU's pad_decode_batches test
+    hook does the same): pipelined steps over padded batches (padding rows take no fed anchor)
+    equal unpadded synchronous decoding while the batch shrinks (3 of 5 requests)."""
+    target = tiny_model_dirs["qwen3"]
+
+    def run(pad, async_decode):
+        cfg = _core.SessionConfig()
+        cfg.num_threads, cfg.max_num_seqs, cfg.kv_cache_tokens = 2, 8, 4096
+        cfg.pad_decode_batches, cfg.async_decode = pad, async_decode
+        sess = _core.Session(str(target), cfg)
+        ids = []
+        for i, p in enumerate(_prompts(5, seed=4)):
+            req = _core.RequestInput()
+            req.prompt = p
+            sc = _core.SamplingConfig()
+            sc.max_tokens, sc.temperature, sc.seed, sc.ignore_eos = 6 + 5 * i, 0.6 * (i % 2), 20 + i, True
+            req.sampling = sc
+            ids.append(sess.add_request(req))
+        while sess.has_unfinished():
+            sess.step()
+        st = sess.stats()
+        assert st.num_free_blocks == st.num_blocks
+        return [list(sess.take_result(i).token_ids) for i in ids], st.engine.num_pipelined_steps
+
+    want, _ = run(False, False)
+    got, pipelined = run(True, True)
+    assert got == want and pipelined > 0
