@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import QWEN3_8B, copy_bandwidth, write_random_qwen3  # noqa: E402
+from gpu_common import QWEN3_8B, copy_bandwidth, write_random_model  # noqa: E402
 
 
 def timed(fn, reps=10, warmup=2):
@@ -138,7 +138,7 @@ def main():
     save()
     model = Path(tempfile.mkdtemp()) / "qwen3_8b_random"
     t0 = time.perf_counter()
-    weights_read = write_random_qwen3(model)
+    weights_read = write_random_model(model)
     print(f"wrote random Qwen3-8B geometry in {time.perf_counter() - t0:.0f} s", flush=True)
     c = QWEN3_8B
     kv_per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 2

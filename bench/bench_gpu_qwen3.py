@@ -70,7 +70,7 @@ from gpu_common import (  # noqa: E402
     stat,
     update_headline,
     write_json,
-    write_random_qwen3,
+    write_random_model,
 )
 from gpu_peers import (  # noqa: E402
     hf_ar_step,
@@ -582,7 +582,7 @@ class Run:
             if needs_model:
                 t = time.perf_counter()
                 if not (model_dir / "model.safetensors").is_file():
-                    self.weights_read = write_random_qwen3(model_dir)
+                    self.weights_read = write_random_model(model_dir)
                 if not (draft_dir / "model.safetensors").is_file():
                     self.res["drafter_file_dtype"] = write_random_drafter(draft_dir, qwen3_config())
                 self.res["timings_s"]["write_models"] = time.perf_counter() - t

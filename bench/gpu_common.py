@@ -2,8 +2,8 @@
 #
 # Helpers shared by the GPU benchmarks (bench_gpu_*.py): the run record (machine, date, command,
 # versions), the device-to-device copy bandwidth that serves as each run's roofline, the
-# random-weight Qwen3-8B-geometry writer, byte counts of a decode step, a generic dump of the
-# runtime's stats, and the shared headline file bench/results/headline.json (one flat object
+# random-weight model writer (Qwen3, or a tied Llama such as SmolLM2), byte counts of a decode
+# step, a generic dump of the runtime's stats, and the shared headline file bench/results/headline.json (one flat object
 # that several benchmarks update key by key). torch is imported inside the functions that need
 # it, so the pure-Python parts import on any machine.
 from __future__ import annotations
@@ -168,7 +168,7 @@ def qwen3_config(cfg: Mapping[str, int] = QWEN3_8B) -> dict[str, Any]:
             "attention_bias": False, "torch_dtype": "bfloat16"}
 
 
-def write_random_qwen3(out: Path, cfg: Mapping[str, int] = QWEN3_8B, seed: int = 0, arch: str = "qwen3") -> int:
+def write_random_model(out: Path, cfg: Mapping[str, int] = QWEN3_8B, seed: int = 0, arch: str = "qwen3") -> int:
     """A Qwen3 (or, with arch="llama", a tied-embedding Llama) model directory (config.json +
     model.safetensors) with random bf16 weights drawn on the GPU (std 0.02, norm gains 1);
     returns the bytes a decode step reads (decoder_weight_bytes; for the Llama, its own count)."""

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu_qwen3 import make_session, synthetic_prompt, write_random_drafter  # noqa: E402
 from gpu_common import (  # noqa: E402
     QWEN3_8B, REPO_ROOT, SMOLLM2_135M, cuda_kernel_intervals, cuda_kernel_totals, qwen3_config, run_record,
-    split_idle_time, write_json, write_random_qwen3)
+    split_idle_time, write_json, write_random_model)
 
 SHIPPED_DRAFTER = REPO_ROOT / "python" / "dflash" / "drafters" / "SmolLM2-135M-Instruct"
 
@@ -131,12 +131,12 @@ def main():
     elif args.smollm2_geometry:
         work = Path(tempfile.mkdtemp(prefix="dflash_prof_"))
         model, draft = work / "target", SHIPPED_DRAFTER
-        write_random_qwen3(model, SMOLLM2_135M, arch="llama")
+        write_random_model(model, SMOLLM2_135M, arch="llama")
         out = Path(args.out) / "gpu_h200_step_profile_smollm2_geometry.json"
     else:
         work = Path(tempfile.mkdtemp(prefix="dflash_prof_"))
         model, draft = work / "target", work / "drafter"
-        write_random_qwen3(model)
+        write_random_model(model)
         write_random_drafter(draft, qwen3_config(QWEN3_8B))
         out = Path(args.out) / "gpu_h200_step_profile.json"
     res["model"], res["draft"] = str(model), (str(draft) if draft else None)

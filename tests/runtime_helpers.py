@@ -1,7 +1,8 @@
 # tests/runtime_helpers.py
 #
 # Helpers for tests that drive the C++ runtime directly through dflash._core's test hooks:
-# teacher-forced decoding with recorded logits and hidden-state taps, and the leak check.
+# teacher-forced decoding with recorded logits and hidden-state taps, decoding with oracle drafts,
+# and the leak check.
 from __future__ import annotations
 
 from typing import Sequence
@@ -65,6 +66,26 @@ def core_session(model_dir, *, tap_layers=(), num_threads=2, **config):
     for k, v in config.items():
         setattr(cfg, k, v)
     return _CoreSession(_core.Session(str(model_dir), cfg))
+
+
+def oracle_run(session, prompts, oracle_drafts, *, max_tokens: int, ignore_eos: bool = False,
+               stop_token_ids: Sequence[int] = ()) -> list:
+    """Runs each prompt with the given drafts verified instead of the drafter's (a dflash.Session
+    with a drafter) to completion; returns the core results (token_ids, metrics), in order."""
+    from dflash import _core
+
+    ids = []
+    for p, drafts in zip(prompts, oracle_drafts):
+        req = _core.RequestInput()
+        req.prompt = p
+        req.oracle_drafts = drafts
+        sc = _core.SamplingConfig()
+        sc.max_tokens, sc.ignore_eos, sc.stop_token_ids = max_tokens, ignore_eos, list(stop_token_ids)
+        req.sampling = sc
+        ids.append(session._core.add_request(req))
+    while session._core.has_unfinished():
+        session._core.step()
+    return [session._core.take_result(i) for i in ids]
 
 
 def assert_no_leaks(session) -> None:

@@ -94,5 +94,7 @@ def test_default_drafter_of_the_default_model(tmp_path):
     assert json.loads(spec.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
     assert "acceptance length (tau)" in spec.stderr
     assert "acceptance length (tau)" not in implicit.stderr and "acceptance length (tau)" not in plain.stderr
+    assert "target-only decoding on the CPU" in implicit.stderr  # the default says why it does not speculate
+    assert "target-only decoding on the CPU" not in plain.stderr and "target-only" not in spec.stderr
     missing = run("--draft", "default", env=dict(os.environ, DFLASH_DEFAULT_DRAFTER="none"))
     assert missing.returncode != 0 and "ships no drafter" in missing.stderr

@@ -20,7 +20,7 @@ import dflash
 from dflash.drafter_format import write_dflash_drafter
 from tests.fixtures.tiny_models import write_tiny_model, PRESETS
 from tests.reference.dflash_reference import load_drafter, propose_ref, spec_generate_ref
-from tests.runtime_helpers import assert_no_leaks
+from tests.runtime_helpers import assert_no_leaks, oracle_run
 
 
 def _prompts(n, seed=0, lo=3, hi=20):
@@ -109,19 +109,8 @@ def test_oracle_drafts_full_acceptance_and_exact_max_tokens(tmp_path, tiny_model
     full = ar.generate([prompt], dflash.SamplingParams(max_tokens=40, stop_token_ids=[]))[0].token_ids
     eos = set(spec.model_config.eos_token_ids)
     cut = next((i for i, t in enumerate(full) if t in eos), len(full) - 1) + 1
-    from dflash import _core
-
     for max_tokens in (1, 2, 8, 9, 17, min(cut, 40)):
-        req = _core.RequestInput()
-        req.prompt = prompt
-        req.oracle_drafts = full
-        sc = _core.SamplingConfig()
-        sc.max_tokens = max_tokens
-        req.sampling = sc
-        rid = spec._core.add_request(req)
-        while spec._core.has_unfinished():
-            spec._core.step()
-        r = spec._core.take_result(rid)
+        r = oracle_run(spec, [prompt], [full], max_tokens=max_tokens)[0]
         assert list(r.token_ids) == full[:min(max_tokens, cut)]
         m = r.metrics
         # Every step except possibly the last accepted the whole block of 7.
@@ -140,22 +129,10 @@ def test_stop_token_and_eos_inside_an_accepted_run(tmp_path, tiny_model_dirs):
     stop_at = 5
     stop_tok = full[stop_at]
     first = full.index(stop_tok)
-    from dflash import _core
-
     dr = _drafter(tmp_path, base, num_layers=1, target_layer_ids=[0, 1], block_size=8)
     spec = dflash.Session(base, draft=dr, num_threads=2)
     # A stop token id inside a fully accepted block.
-    req = _core.RequestInput()
-    req.prompt = prompt
-    req.oracle_drafts = full
-    sc = _core.SamplingConfig()
-    sc.max_tokens = 30
-    sc.stop_token_ids = [stop_tok]
-    req.sampling = sc
-    rid = spec._core.add_request(req)
-    while spec._core.has_unfinished():
-        spec._core.step()
-    r = spec._core.take_result(rid)
+    r = oracle_run(spec, [prompt], [full], max_tokens=30, stop_token_ids=[stop_tok])[0]
     assert list(r.token_ids) == full[:first + 1] and r.finish_reason == "stop"
 
     # EOS from generation_config inside an accepted run: same weights, EOS = that token.
@@ -167,11 +144,7 @@ def test_stop_token_and_eos_inside_an_accepted_run(tmp_path, tiny_model_dirs):
     assert eos_full.token_ids == full[:first + 1] and eos_full.finish_reason == "stop"
     dr2 = _drafter(tmp_path, eos_target, name="draft2", num_layers=1, target_layer_ids=[0, 1], block_size=8)
     eos_spec = dflash.Session(eos_target, draft=dr2, num_threads=2)
-    req.sampling.stop_token_ids = []
-    rid = eos_spec._core.add_request(req)
-    while eos_spec._core.has_unfinished():
-        eos_spec._core.step()
-    r = eos_spec._core.take_result(rid)
+    r = oracle_run(eos_spec, [prompt], [full], max_tokens=30)[0]
     assert list(r.token_ids) == full[:first + 1] and r.finish_reason == "stop"
     assert r.metrics.num_accepted >= min(first, 7)
     assert_no_leaks(spec)
@@ -186,22 +159,8 @@ def test_partially_wrong_oracle_truncates_kv(tmp_path, tiny_model_dirs):
     ar = dflash.Session(target, num_threads=2)
     prompts = _prompts(5, seed=15)
     expect = [o.token_ids for o in ar.generate(prompts, dflash.SamplingParams(max_tokens=32, stop_token_ids=[]))]
-    from dflash import _core
-
-    ids = []
-    for k, (p, full) in enumerate(zip(prompts, expect)):
-        wrong = [t if (i + k) % 4 else (t + 1) % 352 for i, t in enumerate(full)]
-        req = _core.RequestInput()
-        req.prompt = p
-        req.oracle_drafts = wrong
-        sc = _core.SamplingConfig()
-        sc.max_tokens = 32
-        req.sampling = sc
-        ids.append(spec._core.add_request(req))
-    while spec._core.has_unfinished():
-        spec._core.step()
-    for rid, full in zip(ids, expect):
-        r = spec._core.take_result(rid)
+    wrong = [[t if (i + k) % 4 else (t + 1) % 352 for i, t in enumerate(full)] for k, full in enumerate(expect)]
+    for r, full in zip(oracle_run(spec, prompts, wrong, max_tokens=32), expect):
         eos = set(spec.model_config.eos_token_ids)
         cut = next((i + 1 for i, t in enumerate(full) if t in eos), len(full))
         assert list(r.token_ids) == full[:cut]

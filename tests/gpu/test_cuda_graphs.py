@@ -14,6 +14,7 @@ import pytest
 
 import dflash
 from dflash import _core
+from tests.runtime_helpers import oracle_run
 
 pytestmark = pytest.mark.skipif(not _core.cuda_usable(), reason="needs the CUDA backend and a Hopper GPU")
 
@@ -89,19 +90,7 @@ def test_dflash_graph_full_acceptance_matches_ar(tiny_model_dirs, tmp_path):
     spec = dflash.Session(target, draft=dr, device="cuda", **KV)
     prompts = _prompts(3, seed=7)
     want = _tokens(ar, prompts, [dflash.SamplingParams(max_tokens=40, ignore_eos=True) for _ in prompts])
-    ids = []
-    for p, w in zip(prompts, want):
-        req = _core.RequestInput()
-        req.prompt = p
-        req.oracle_drafts = w
-        sc = _core.SamplingConfig()
-        sc.max_tokens, sc.ignore_eos = 40, True
-        req.sampling = sc
-        ids.append(spec._core.add_request(req))
-    while spec._core.has_unfinished():
-        spec._core.step()
-    for i, w in zip(ids, want):
-        r = spec._core.take_result(i)
+    for r, w in zip(oracle_run(spec, prompts, want, max_tokens=40, ignore_eos=True), want):
         assert list(r.token_ids) == w
         # 1 token from the prefill, then blocks of 8 (7 drafts + bonus): 39 = 4 x 8 + 7
         assert r.metrics.num_spec_steps == 5
