@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import (  # noqa: E402
     QWEN3_8B, SMOLLM2_135M, copy_bandwidth, decode_step_bytes, decoder_weight_bytes, run_record, write_json,
-    write_random_qwen3)
+    write_random_model)
 
 MODES = {"pdl+fused": {}, "fused": {"DFLASH_PDL": "0"}, "pdl": {"DFLASH_FUSED": "0"},
          "off": {"DFLASH_PDL": "0", "DFLASH_FUSED": "0"},
@@ -79,8 +79,8 @@ def main() -> None:
     res["modes"] = MODES
     work = Path(tempfile.mkdtemp(prefix="dflash_modes_"))
     smol, qwen = work / "smollm2", work / "qwen3"
-    write_random_qwen3(smol, SMOLLM2_135M, arch="llama")
-    qwen_weights = write_random_qwen3(qwen, QWEN3_8B)
+    write_random_model(smol, SMOLLM2_135M, arch="llama")
+    qwen_weights = write_random_model(qwen, QWEN3_8B)
     res["copy_bw_gbs"] = copy_bandwidth()
     points = [("smollm2_ar", str(smol), None), ("smollm2_spec", str(smol), str(SHIPPED_DRAFTER)),
               ("qwen3_ar", str(qwen), None)]
