@@ -46,6 +46,7 @@ KV = {"max_model_len": 4096, "kv_cache_tokens": 16384}
 
 def worker(args) -> None:
     """One mode: every point, printed as one JSON line."""
+    import torch  # noqa: F401  (before dflash._core: importing torch after it segfaults on the device image)
     from bench_gpu_qwen3 import make_session
     from profile_gpu_step import profile
 
@@ -86,13 +87,13 @@ def main() -> None:
               ("qwen3_ar", str(qwen), None)]
     res["results"] = {}
     for mode, env in MODES.items():
-        p = subprocess.run([sys.executable, __file__, "--worker", "--steps", str(args.steps), "--points",
+        p = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--worker", "--steps", str(args.steps), "--points",
                             json.dumps(points)], env={**os.environ, **env}, capture_output=True, text=True,
                            timeout=600)
         lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         if p.returncode != 0 or not lines:
-            res["results"][mode] = {"error": (p.stderr or p.stdout)[-2000:]}
-            print(f"{mode}: failed\n{p.stderr[-2000:]}", flush=True)
+            res["results"][mode] = {"error": (p.stderr or p.stdout)[-2000:], "returncode": p.returncode}
+            print(f"{mode}: failed (exit status {p.returncode})\n{(p.stderr or p.stdout)[-2000:]}", flush=True)
             continue
         res["results"][mode] = json.loads(lines[-1][len("RESULT "):])
         print(mode, {k: round(v["wall_ms_per_step_unprofiled"], 4) for k, v in res["results"][mode].items()},
