@@ -508,6 +508,8 @@ class Run:
             head["spec_step_over_ar_bs1"] = ratios[key]
         if "ar_speedup_vs_hf_eager_bs1" in r:
             head["ar_speedup_vs_hf_bs1"] = r["ar_speedup_vs_hf_eager_bs1"]
+        if "ar_speedup_vs_hf_static_compile_bs1" in r:  # measured in this run: no separate stamp
+            head["ar_speedup_vs_hf_static_compile_bs1"] = r["ar_speedup_vs_hf_static_compile_bs1"]
         head = {k: v for k, v in head.items() if v is not None}
         if head:
             self.res["headline_file"] = str(update_headline(self.out_dir, head))
