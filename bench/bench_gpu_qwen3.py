@@ -243,7 +243,8 @@ def write_random_drafter(out: Path, target_cfg: dict, seed: int = 1, device: str
     return dtype
 
 
-def make_session(model_dir: Path, *, draft_dir: Path | None, graphs: bool | None, kv: dict, max_num_seqs: int):
+def make_session(model_dir: Path, *, draft_dir: Path | None, graphs: bool | None, kv: dict, max_num_seqs: int,
+                 async_decode: bool = False):
     """A _core.Session on the GPU with an explicit KV cache; returns (session, graphs_option_present)."""
     from dflash import _core
 
@@ -255,6 +256,8 @@ def make_session(model_dir: Path, *, draft_dir: Path | None, graphs: bool | None
     cfg.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
     if draft_dir is not None:
         cfg.draft_dir = str(draft_dir)
+    if async_decode:
+        cfg.async_decode = True
     present = hasattr(cfg, "cuda_graphs")
     if present and graphs is not None:
         cfg.cuda_graphs = graphs
@@ -505,6 +508,8 @@ class Run:
             head["spec_step_over_ar_bs1"] = ratios[key]
         if "ar_speedup_vs_hf_eager_bs1" in r:
             head["ar_speedup_vs_hf_bs1"] = r["ar_speedup_vs_hf_eager_bs1"]
+        if "ar_speedup_vs_hf_static_compile_bs1" in r:  # measured in this run: no separate stamp
+            head["ar_speedup_vs_hf_static_compile_bs1"] = r["ar_speedup_vs_hf_static_compile_bs1"]
         head = {k: v for k, v in head.items() if v is not None}
         if head:
             self.res["headline_file"] = str(update_headline(self.out_dir, head))

@@ -90,6 +90,11 @@ def update_headline(out_dir: str | Path, updates: Mapping[str, Any], stamp_prefi
             base = json.loads(candidate.read_text())
             break
     base.update(updates)
+    if not stamp_prefix:  # a fresh main measurement: an earlier rederivation's stamp is stale
+        base.pop("rederived_by", None)
+        if "ar_speedup_vs_hf_static_compile_bs1" in updates:  # measured in this run, not a separate one
+            base.pop("compile_peer_date", None)
+            base.pop("compile_peer_command", None)
     base[f"{stamp_prefix}date"] = now_iso()
     base[f"{stamp_prefix}command"] = command_line()
     write_json(path, base)

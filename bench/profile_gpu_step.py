@@ -120,6 +120,8 @@ def main():
     ap.add_argument("--name", default="model", help="file suffix with --model")
     ap.add_argument("--smollm2-geometry", action="store_true",
                     help="random weights of SmolLM2-135M's shapes + the shipped drafter")
+    ap.add_argument("--async-decode", action="store_true",
+                    help="also profile the AR step with pipelined decoding (async_decode; label ar_async)")
     args = ap.parse_args()
     res = run_record("gpu_step_profile")
     res["point"] = {"batch": 1, "context": 512, "cuda_graphs": True}
@@ -141,6 +143,8 @@ def main():
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     kv = {"max_model_len": 4096, "kv_cache_tokens": 16384}
     runs = [("ar", None), ("spec", draft)]
+    if args.async_decode:
+        runs.insert(1, ("ar_async", None))
     if args.smollm2_geometry:
         ship = json.loads((SHIPPED_DRAFTER / "config.json").read_text())
         for n in (3, 5):
@@ -152,7 +156,8 @@ def main():
     for label, d in runs:
         if label == "spec" and d is None:
             continue
-        sess, _ = make_session(model, draft_dir=d, graphs=True, kv=kv, max_num_seqs=16)
+        sess, _ = make_session(model, draft_dir=d, graphs=True, kv=kv, max_num_seqs=16,
+                               async_decode=label == "ar_async")
         res[label] = profile(sess, args.steps, warmup=3, vocab_size=vocab)
         print(label, {k: v for k, v in res[label].items() if k != "top_kernels"}, flush=True)
         for row in res[label]["top_kernels"][:12]:

@@ -10,6 +10,7 @@ namespace cuda {
 template <int V>
 static __global__ void add_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n,
                                   __nv_bfloat16* out) {
+  detail::pdl_begin();
   const int64_t nvec = n / V;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -33,9 +34,9 @@ cudaError_t add(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, __nv_
   const int64_t work = vec ? (n + detail::kVec - 1) / detail::kVec : n;
   const unsigned blocks = detail::grid_for(work, kThreads);
   if (vec) {
-    add_kernel<8><<<blocks, kThreads, 0, stream>>>(a, b, n, out);
+    detail::launch(&add_kernel<8>, blocks, kThreads, 0, stream, a, b, n, out);
   } else {
-    add_kernel<1><<<blocks, kThreads, 0, stream>>>(a, b, n, out);
+    detail::launch(&add_kernel<1>, blocks, kThreads, 0, stream, a, b, n, out);
   }
   return cudaGetLastError();
 }

@@ -28,6 +28,7 @@ __device__ __forceinline__ float load_one(const float* p) { return *p; }
 template <typename T, bool kVector>
 static __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_rows_kernel(const T* logits, int64_t vocab, int32_t* out) {
+  detail::pdl_begin();
   const T* row = logits + static_cast<int64_t>(blockIdx.x) * vocab;
   float bv = -FLT_MAX;
   int bi = INT_MAX;
@@ -74,9 +75,9 @@ static cudaError_t launch_argmax(const T* logits, int64_t rows, int64_t vocab, i
   const bool vec = detail::aligned16(logits) && (vocab * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
                    (8 * sizeof(T)) % 16 == 0;
   if (vec) {
-    argmax_rows_kernel<T, true><<<static_cast<unsigned>(rows), kArgmaxThreads, 0, stream>>>(logits, vocab, out);
+    detail::launch(&argmax_rows_kernel<T, true>, static_cast<unsigned>(rows), kArgmaxThreads, 0, stream, logits, vocab, out);
   } else {
-    argmax_rows_kernel<T, false><<<static_cast<unsigned>(rows), kArgmaxThreads, 0, stream>>>(logits, vocab, out);
+    detail::launch(&argmax_rows_kernel<T, false>, static_cast<unsigned>(rows), kArgmaxThreads, 0, stream, logits, vocab, out);
   }
   return cudaGetLastError();
 }

@@ -7,11 +7,50 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
 namespace dflash {
 namespace cuda {
 namespace detail {
 
 constexpr int kVec = 8;  // bf16 elements per 16-byte access
+
+// Programmatic dependent launch (sm_90). A kernel launched by launch() may start while the
+// kernel before it in the stream still runs: its launch and its prologue (pdl prefetches) hide
+// behind that kernel's tail. Every kernel launched this way calls pdl_begin() before it reads
+// anything an earlier kernel wrote or writes anything: it waits until the earlier grids have
+// completed and their writes are visible, then lets the next kernel launch. (For a plain launch
+// the wait returns at once.) DFLASH_PDL=0 launches plainly, for A/B timing.
+__device__ __forceinline__ void pdl_begin() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("DFLASH_PDL");
+    return !(v != nullptr && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 

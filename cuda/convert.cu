@@ -9,6 +9,7 @@ namespace cuda {
 // x [n] bf16 → out [n] fp32. V = 8 (16-byte accesses) or 1.
 template <int V>
 static __global__ void bf16_to_f32_kernel(const __nv_bfloat16* x, int64_t n, float* out) {
+  detail::pdl_begin();
   const int64_t nvec = n / V;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -30,6 +31,7 @@ static __global__ void bf16_to_f32_kernel(const __nv_bfloat16* x, int64_t n, flo
 // x [n] fp32 → out [n] bf16. V = 8 (16-byte accesses) or 1.
 template <int V>
 static __global__ void f32_to_bf16_kernel(const float* x, int64_t n, __nv_bfloat16* out) {
+  detail::pdl_begin();
   const int64_t nvec = n / V;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -55,9 +57,9 @@ cudaError_t bf16_to_f32(const __nv_bfloat16* x, int64_t n, float* out, cudaStrea
   const bool vec = detail::aligned16(x) && detail::aligned16(out);
   const unsigned blocks = detail::grid_for(vec ? (n + 7) / 8 : n, kThreads);
   if (vec) {
-    bf16_to_f32_kernel<8><<<blocks, kThreads, 0, stream>>>(x, n, out);
+    detail::launch(&bf16_to_f32_kernel<8>, blocks, kThreads, 0, stream, x, n, out);
   } else {
-    bf16_to_f32_kernel<1><<<blocks, kThreads, 0, stream>>>(x, n, out);
+    detail::launch(&bf16_to_f32_kernel<1>, blocks, kThreads, 0, stream, x, n, out);
   }
   return cudaGetLastError();
 }
@@ -68,9 +70,9 @@ cudaError_t f32_to_bf16(const float* x, int64_t n, __nv_bfloat16* out, cudaStrea
   const bool vec = detail::aligned16(x) && detail::aligned16(out);
   const unsigned blocks = detail::grid_for(vec ? (n + 7) / 8 : n, kThreads);
   if (vec) {
-    f32_to_bf16_kernel<8><<<blocks, kThreads, 0, stream>>>(x, n, out);
+    detail::launch(&f32_to_bf16_kernel<8>, blocks, kThreads, 0, stream, x, n, out);
   } else {
-    f32_to_bf16_kernel<1><<<blocks, kThreads, 0, stream>>>(x, n, out);
+    detail::launch(&f32_to_bf16_kernel<1>, blocks, kThreads, 0, stream, x, n, out);
   }
   return cudaGetLastError();
 }

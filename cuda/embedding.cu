@@ -10,6 +10,7 @@ namespace cuda {
 template <typename U>
 static __global__ void embedding_kernel(const U* table, const int32_t* ids, int64_t num_tokens,
                                         int64_t row_units, int64_t vocab, U* out, int32_t* bad_id) {
+  detail::pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= row_units) return;
   for (int64_t t = blockIdx.y; t < num_tokens; t += gridDim.y) {
@@ -32,11 +33,11 @@ cudaError_t embedding(const __nv_bfloat16* table, const int32_t* ids, int64_t nu
   const int threads = units >= 256 ? 256 : static_cast<int>((units + 31) / 32 * 32);
   const dim3 grid(detail::grid_for(units, threads, 1 << 30), detail::grid_for(num_tokens, 1, 65535));
   if (vec) {
-    embedding_kernel<<<grid, threads, 0, stream>>>(reinterpret_cast<const uint4*>(table), ids,
+    detail::launch(&embedding_kernel<uint4>, grid, threads, 0, stream, reinterpret_cast<const uint4*>(table), ids,
                                                    num_tokens, units, vocab,
                                                    reinterpret_cast<uint4*>(out), bad_id);
   } else {
-    embedding_kernel<<<grid, threads, 0, stream>>>(table, ids, num_tokens, units, vocab, out, bad_id);
+    detail::launch(&embedding_kernel<__nv_bfloat16>, grid, threads, 0, stream, table, ids, num_tokens, units, vocab, out, bad_id);
   }
   return cudaGetLastError();
 }

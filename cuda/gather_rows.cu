@@ -11,6 +11,7 @@ namespace cuda {
 template <typename U>
 static __global__ void gather_rows_kernel(const U* x, const int32_t* rows, int64_t num_rows,
                                           int64_t units, U* out) {
+  detail::pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= units) return;
   for (int64_t r = blockIdx.y; r < num_rows; r += gridDim.y) {
@@ -22,6 +23,7 @@ static __global__ void gather_rows_kernel(const U* x, const int32_t* rows, int64
 template <typename U>
 static __global__ void copy_columns_kernel(const U* src, int64_t rows, int64_t cols, U* dst,
                                            int64_t dst_width, int64_t col) {
+  detail::pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= cols) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) dst[r * dst_width + col + i] = src[r * cols + i];
@@ -42,7 +44,7 @@ cudaError_t gather_rows_as(const void* x, const int32_t* rows, int64_t num_rows,
   dim3 grid;
   int threads;
   copy_grid(num_rows, units, &grid, &threads);
-  gather_rows_kernel<U><<<grid, threads, 0, stream>>>(static_cast<const U*>(x), rows, num_rows,
+  detail::launch(&gather_rows_kernel<U>, grid, threads, 0, stream, static_cast<const U*>(x), rows, num_rows,
                                                       units, static_cast<U*>(out));
   return cudaGetLastError();
 }
@@ -54,7 +56,7 @@ cudaError_t copy_columns_as(const __nv_bfloat16* src, int64_t rows, int64_t cols
   dim3 grid;
   int threads;
   copy_grid(rows, cols / k, &grid, &threads);
-  copy_columns_kernel<U><<<grid, threads, 0, stream>>>(reinterpret_cast<const U*>(src), rows,
+  detail::launch(&copy_columns_kernel<U>, grid, threads, 0, stream, reinterpret_cast<const U*>(src), rows,
                                                        cols / k, reinterpret_cast<U*>(dst),
                                                        dst_width / k, col / k);
   return cudaGetLastError();

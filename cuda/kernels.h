@@ -78,6 +78,23 @@ struct SkinnyGemmConfig {
 cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t m, int64_t n, int64_t k,
                         bool out_f32, void* out, cudaStream_t stream, const SkinnyGemmConfig* config = nullptr);
 
+// Fused skinny GEMM of a decoder layer, for M <= kSkinnyFusedMaxRows rows (M, K, shared memory:
+// skinny_gemm_fused_supports). The input transform builds the GEMM's x in shared memory first:
+//   kRmsNorm   x = bf16(gamma * (in * rsqrt(mean(in^2) + eps)))  in [M, K]   (the rms_norm kernel's formula)
+//   kSiluMul   x = bf16(silu(gate) * up)                        in [M, 2K] = [gate | up] (silu_mul's)
+// and with `add` the output is accumulated into out (a bf16 residual stream: out = bf16(out + x @ w^T)).
+enum class SkinnyInput { kPlain = 0, kRmsNorm = 1, kSiluMul = 2 };
+struct SkinnyFusion {
+  SkinnyInput input = SkinnyInput::kPlain;
+  const __nv_bfloat16* gamma = nullptr;  // [K], kRmsNorm
+  float eps = 0.0f;                      // kRmsNorm
+  bool add = false;
+};
+constexpr int64_t kSkinnyFusedMaxRows = 16;
+bool skinny_gemm_fused_supports(const void* in, const void* w, int64_t m, int64_t k, const SkinnyFusion& fusion);
+cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, int64_t m, int64_t n, int64_t k,
+                              const SkinnyFusion& fusion, __nv_bfloat16* out, cudaStream_t stream);
+
 // fp32 <-> bf16 element conversion
 cudaError_t bf16_to_f32(const __nv_bfloat16* x, int64_t n, float* out, cudaStream_t stream);
 cudaError_t f32_to_bf16(const float* x, int64_t n, __nv_bfloat16* out, cudaStream_t stream);
@@ -134,6 +151,10 @@ cudaError_t argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_
 // (each [n]); verify_ids[r, 1 + j] = drafts[r, j] in verify_ids [rows, n + 1].
 cudaError_t assemble_drafts(const int32_t* proposed, const int32_t* override_drafts, const int32_t* use_override,
                             int64_t rows, int64_t n, int32_t* drafts, int32_t* verify_ids, cudaStream_t stream);
+
+// ids[R]: ids[i] = feed[i] >= 0 ? prev[feed[i]] : ids[i]  (a pipelined decode step's anchors,
+// taken from the previous step's sampled tokens prev[] on the device)
+cudaError_t feed_tokens(int32_t* ids, const int32_t* feed, const int32_t* prev, int64_t rows, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace dflash

@@ -17,6 +17,7 @@ template <typename U>
 static __global__ void kv_write_kernel(const U* k, const U* v, const int32_t* slots,
                                        int64_t num_tokens, int64_t row_units, U* k_pool,
                                        U* v_pool) {
+  detail::pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= row_units) return;
   for (int64_t t = blockIdx.y; t < num_tokens; t += gridDim.y) {
@@ -37,11 +38,11 @@ cudaError_t kv_write(const __nv_bfloat16* k, const __nv_bfloat16* v, const int32
   const int threads = units >= 256 ? 256 : static_cast<int>((units + 31) / 32 * 32);
   const dim3 grid(detail::grid_for(units, threads, 1 << 30), detail::grid_for(num_tokens, 1, 65535));
   if (vec) {
-    kv_write_kernel<<<grid, threads, 0, stream>>>(
+    detail::launch(&kv_write_kernel<uint4>, grid, threads, 0, stream, 
         reinterpret_cast<const uint4*>(k), reinterpret_cast<const uint4*>(v), slots, num_tokens,
         units, reinterpret_cast<uint4*>(k_pool), reinterpret_cast<uint4*>(v_pool));
   } else {
-    kv_write_kernel<<<grid, threads, 0, stream>>>(k, v, slots, num_tokens, units, k_pool, v_pool);
+    detail::launch(&kv_write_kernel<__nv_bfloat16>, grid, threads, 0, stream, k, v, slots, num_tokens, units, k_pool, v_pool);
   }
   return cudaGetLastError();
 }
@@ -55,6 +56,7 @@ static __global__ void __launch_bounds__(kRopeThreads)
                               const int32_t* positions, const float* inv_freq, const int32_t* slots,
                               int64_t num_tokens, int num_layers, int num_kv_heads, int head_dim,
                               int64_t pool_layer_elems, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool) {
+  detail::pdl_begin();
   const int heads = 2 * num_kv_heads;
   const int64_t units = num_tokens * num_layers * heads;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -93,7 +95,7 @@ cudaError_t kv_norm_rope_write_layers(const __nv_bfloat16* kv, const __nv_bfloat
       detail::grid_for(num_tokens * num_layers * 2 * num_kv_heads, kRopeThreads / 32, 1 << 20);
   const int nl = static_cast<int>(num_layers), nkv = static_cast<int>(num_kv_heads), hd = static_cast<int>(head_dim);
 #define DFLASH_KV_ROPE_LAUNCH(P)                                                                \
-  kv_norm_rope_write_kernel<P><<<blocks, kRopeThreads, 0, stream>>>(                            \
+  detail::launch(&kv_norm_rope_write_kernel<P>, blocks, kRopeThreads, 0, stream,                             \
       kv, k_norm, eps, positions, inv_freq, slots, num_tokens, nl, nkv, hd, pool_layer_elems, k_pool, v_pool)
   switch (pairs) {
     case 4: DFLASH_KV_ROPE_LAUNCH(4); break;

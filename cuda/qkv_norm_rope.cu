@@ -21,6 +21,7 @@ static __global__ void __launch_bounds__(kThreads)
                          const __nv_bfloat16* k_norm, float eps, const int32_t* positions,
                          const float* inv_freq, const int32_t* slots, int64_t num_tokens, int num_heads,
                          int num_kv_heads, int head_dim, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v) {
+  detail::pdl_begin();
   const int heads = num_heads + 2 * num_kv_heads;
   const int64_t units = num_tokens * heads;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -65,7 +66,7 @@ static cudaError_t launch_qkv_norm_rope(const __nv_bfloat16* qkv, const __nv_bfl
   const int nh = static_cast<int>(num_heads), nkv = static_cast<int>(num_kv_heads);
   const int hd = static_cast<int>(head_dim);
 #define DFLASH_QKV_LAUNCH(P)                                                                   \
-  qkv_norm_rope_kernel<P><<<blocks, kThreads, 0, stream>>>(qkv, q_norm, k_norm, eps, positions, \
+  detail::launch(&qkv_norm_rope_kernel<P>, blocks, kThreads, 0, stream, qkv, q_norm, k_norm, eps, positions, \
                                                            inv_freq, slots, num_tokens, nh, nkv, hd, \
                                                            q, k, v)
   switch (pairs) {

@@ -19,6 +19,7 @@ template <int V, bool kAdd>
 static __global__ void __launch_bounds__(kMaxThreads)
     rms_norm_kernel(__nv_bfloat16* residual, const __nv_bfloat16* x, const __nv_bfloat16* w,
                     int64_t rows, int hidden, float eps, __nv_bfloat16* out) {
+  detail::pdl_begin();
   __shared__ float red[32];
   const int nvec = hidden / V;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -91,9 +92,9 @@ static cudaError_t rms_norm_launch(__nv_bfloat16* residual, const __nv_bfloat16*
   const unsigned blocks = detail::grid_for(rows, 1, 1 << 20);
   const int h = static_cast<int>(hidden);
   if (vec) {
-    rms_norm_kernel<8, kAdd><<<blocks, threads, 0, stream>>>(residual, x, w, rows, h, eps, out);
+    detail::launch(&rms_norm_kernel<8, kAdd>, blocks, threads, 0, stream, residual, x, w, rows, h, eps, out);
   } else {
-    rms_norm_kernel<1, kAdd><<<blocks, threads, 0, stream>>>(residual, x, w, rows, h, eps, out);
+    detail::launch(&rms_norm_kernel<1, kAdd>, blocks, threads, 0, stream, residual, x, w, rows, h, eps, out);
   }
   return cudaGetLastError();
 }

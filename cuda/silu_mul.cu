@@ -10,6 +10,7 @@ namespace cuda {
 template <int V>
 static __global__ void silu_mul_kernel(const __nv_bfloat16* gate_up, int64_t rows, int64_t inter,
                                        __nv_bfloat16* out) {
+  detail::pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= inter / V) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -31,9 +32,9 @@ cudaError_t silu_mul(const __nv_bfloat16* gate_up, int64_t rows, int64_t inter,
   const int threads = nvec >= 256 ? 256 : static_cast<int>((nvec + 31) / 32 * 32);
   const dim3 grid(detail::grid_for(nvec, threads, 1 << 30), detail::grid_for(rows, 1, 65535));
   if (vec) {
-    silu_mul_kernel<8><<<grid, threads, 0, stream>>>(gate_up, rows, inter, out);
+    detail::launch(&silu_mul_kernel<8>, grid, threads, 0, stream, gate_up, rows, inter, out);
   } else {
-    silu_mul_kernel<1><<<grid, threads, 0, stream>>>(gate_up, rows, inter, out);
+    detail::launch(&silu_mul_kernel<1>, grid, threads, 0, stream, gate_up, rows, inter, out);
   }
   return cudaGetLastError();
 }

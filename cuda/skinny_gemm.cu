@@ -22,6 +22,16 @@
 // fixed order, so results are deterministic (the same bits on every run). Tails: rows past N
 // read row N - 1 and are not written; x rows past M read row M - 1 (their columns are dropped);
 // the k tail (K % 32) is zero-filled by predicated loads in the last step only.
+//
+// Fused variants (skinny_gemm_fused, M <= 16): the CTA first builds x in shared memory from the
+// layer's input (RMSNorm of the residual stream, or silu(gate) * up), with the formulas of the
+// rms_norm and silu_mul kernels, then runs the same main loop on it; the add epilogue
+// accumulates into a bf16 residual stream. This removes the norm / activation / add launches of
+// a decoder layer (a small model's decode step is launch-bound).
+//
+// Programmatic dependent launch: each CTA asks L2 to prefetch its weight rows (they depend on no
+// kernel) before it waits for the kernel ahead in the stream (detail::pdl_begin), so with
+// DFLASH_PDL on the weight stream starts while that kernel is still finishing.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 
@@ -59,18 +69,98 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 
 // Shared-memory reduction buffer: [W][8 NT][16 R + 4] fp32 (the +4 spreads the fragment
 // stores over the banks).
-constexpr int red_stride(int row_tiles) { return 16 * row_tiles + 4; }
-constexpr size_t red_bytes(int nt, int row_tiles) { return sizeof(float) * 8 * nt * red_stride(row_tiles); }
+__host__ __device__ constexpr int red_stride(int row_tiles) { return 16 * row_tiles + 4; }
+__host__ __device__ constexpr size_t red_bytes(int nt, int row_tiles) { return sizeof(float) * 8 * nt * red_stride(row_tiles); }
 
 // x [M, K], w [N, K], out [M, N] (bf16, or fp32 when F32). Block: W warps (blockDim.x = 32 W);
 // grid.x = ceil(N / (16 R)); dynamic shared memory W * red_bytes(NT, R).
-template <int NT, int R, int U, bool F32>
+// Row stride (elements) of x staged in shared memory: 16 bytes of padding spread the rows over
+// the banks.
+__host__ __device__ constexpr int staged_stride(int k) { return k + 8; }
+
+// Builds x [M, K] in shared memory (row stride staged_stride(K)) from the fused input `in`:
+// RMSNorm of in [M, K] with gamma, or silu(gate) * up of in [M, 2K]. All threads of the CTA.
+template <int IN>
+__device__ void stage_input(const __nv_bfloat16* __restrict__ in, const __nv_bfloat16* __restrict__ gamma, float eps,
+                            int M, int K, __nv_bfloat16* xs) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  const int vecs = K / 8, ks = staged_stride(K);
+  __shared__ float inv_rms[16];
+  if constexpr (IN == static_cast<int>(SkinnyInput::kRmsNorm)) {
+    for (int m = warp; m < M; m += num_warps) {
+      const __nv_bfloat16* row = in + static_cast<int64_t>(m) * K;
+      float ss = 0.0f;
+      for (int i = lane; i < vecs; i += 32) {
+        float v[8];
+        detail::load_bf16<8>(row + i * 8, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) inv_rms[m] = rsqrtf(ss / static_cast<float>(K) + eps);
+    }
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < M * vecs; i += blockDim.x) {
+    const int m = i / vecs, c = (i - m * vecs) * 8;
+    float o[8];
+    if constexpr (IN == static_cast<int>(SkinnyInput::kRmsNorm)) {
+      float v[8], gv[8];
+      detail::load_bf16<8>(in + static_cast<int64_t>(m) * K + c, v);
+      detail::load_bf16<8>(gamma + c, gv);
+      const float inv = inv_rms[m];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = gv[e] * (v[e] * inv);
+    } else {
+      float a[8], b[8];
+      const __nv_bfloat16* row = in + static_cast<int64_t>(m) * 2 * K;
+      detail::load_bf16<8>(row + c, a);
+      detail::load_bf16<8>(row + K + c, b);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = a[e] / (1.0f + __expf(-a[e])) * b[e];
+    }
+    detail::store_bf16<8>(xs + m * ks + c, o);
+  }
+  __syncthreads();
+}
+
+// IN: SkinnyInput (kPlain: x from global memory; else staged in shared memory from `x`, the
+// fused input, after the reduction buffer); ADD: out (bf16) += the product.
+template <int NT, int R, int U, bool F32, int IN = 0, bool ADD = false>
 __global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* __restrict__ x,
                                                           const __nv_bfloat16* __restrict__ w, int M, int N, int K,
-                                                          void* __restrict__ out) {
+                                                          void* __restrict__ out,
+                                                          const __nv_bfloat16* __restrict__ gamma = nullptr,
+                                                          float eps = 0.0f) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * (16 * R);
+  // Before waiting for the kernel ahead (programmatic dependent launch): this CTA's weight rows,
+  // which no kernel writes, start streaming into L2 while that kernel finishes.
+  if (warp == 0) {
+    constexpr int64_t kPiece = 32 * 1024;
+    const int64_t bytes = static_cast<int64_t>(min(16 * R, N - row0)) * K * 2;
+    const char* base = reinterpret_cast<const char*>(w + static_cast<int64_t>(row0) * K);
+    const int64_t at = lane * kPiece;
+    if (at < bytes) {
+      const uint32_t size = static_cast<uint32_t>(min(kPiece, bytes - at));
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + at), "r"(size) : "memory");
+    }
+  }
+  detail::pdl_begin();
+  constexpr bool kStaged = IN != 0;
+  extern __shared__ float red[];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(red + num_warps * (8 * NT) * red_stride(R));
+  if constexpr (kStaged) stage_input<IN>(x, gamma, eps, M, K, xs);
+  const int x_stride = kStaged ? staged_stride(K) : K;
+  auto load_in = [&](const __nv_bfloat16* p) -> uint4 {
+    if constexpr (kStaged) {
+      return *reinterpret_cast<const uint4*>(p);
+    } else {
+      return load_x(p);
+    }
+  };
 
   const __nv_bfloat16* wp[R][2];
 #pragma unroll
@@ -83,7 +173,9 @@ __global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* _
   }
   const __nv_bfloat16* xp[NT];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) xp[j] = x + static_cast<int64_t>(min(8 * j + g, M - 1)) * K + t * 8;
+  for (int j = 0; j < NT; ++j) {
+    xp[j] = (kStaged ? xs : x) + static_cast<int64_t>(min(8 * j + g, M - 1)) * x_stride + t * 8;
+  }
 
   // A independent accumulator sets (chunk u feeds set u % A) keep the chain of dependent mmas
   // of a step short; they are added in a fixed order at the end.
@@ -111,7 +203,7 @@ __global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* _
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int j = 0; j < NT; ++j) b[u][j] = load_x(xp[j] + (c0 + u) * kChunk);
+        for (int j = 0; j < NT; ++j) b[u][j] = load_in(xp[j] + (c0 + u) * kChunk);
     } else {  // the k tail: pieces at k >= K read as zeros (both operands: no 0 * NaN)
       const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
@@ -122,7 +214,7 @@ __global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* _
 #pragma unroll
           for (int h = 0; h < 2; ++h) a[u][rt][h] = ok ? load_w(wp[rt][h] + (c0 + u) * kChunk) : zero;
 #pragma unroll
-        for (int j = 0; j < NT; ++j) b[u][j] = ok ? load_x(xp[j] + (c0 + u) * kChunk) : zero;
+        for (int j = 0; j < NT; ++j) b[u][j] = ok ? load_in(xp[j] + (c0 + u) * kChunk) : zero;
       }
     }
     // Words 2s, 2s + 1 of a load (k + 4s + {0, 1} and k + 4s + {2, 3}) are logical k {2t, 2t+1}
@@ -141,7 +233,6 @@ __global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* _
 
   // Accumulator fragment: c0, c1 = (row g, columns 2t, 2t+1), c2, c3 = (row g + 8, same columns),
   // row = w row in the tile, column = x row in the column tile.
-  extern __shared__ float red[];
   constexpr int S = red_stride(R), MP = 8 * NT, RT = 16 * R;
   float* mine = red + warp * MP * S;
 #pragma unroll
@@ -173,13 +264,16 @@ __global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* _
     if constexpr (F32) {
       static_cast<float*>(out)[o] = sum;
     } else {
-      static_cast<__nv_bfloat16*>(out)[o] = __float2bfloat16_rn(sum);
+      __nv_bfloat16* y = static_cast<__nv_bfloat16*>(out);
+      if constexpr (ADD) sum += __bfloat162float(y[o]);
+      y[o] = __float2bfloat16_rn(sum);
     }
   }
 }
 
 // The kernel for (NT, R, U) with the output type chosen at run time; null when not built.
-using KernelFn = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, int, int, int, void*);
+using KernelFn = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, int, int, int, void*, const __nv_bfloat16*,
+                          float);
 
 template <int NT, int R, int U>
 KernelFn pick_out(bool out_f32) {
@@ -204,7 +298,62 @@ KernelFn pick_shape(int row_tiles, int unroll, bool out_f32) {
   return nullptr;
 }
 
+// The fused kernels: the default shapes of M <= 8 (NT 1, R 1, U 8) and M <= 16 (NT 2, R 1, U 4).
+using FusedFn = KernelFn;
+
+template <int NT, int U>
+FusedFn pick_fused(SkinnyInput input, bool add) {
+  if (input == SkinnyInput::kRmsNorm && !add) return skinny_gemm_kernel<NT, 1, U, false, 1, false>;
+  if (input == SkinnyInput::kPlain && add) return skinny_gemm_kernel<NT, 1, U, false, 0, true>;
+  if (input == SkinnyInput::kSiluMul && add) return skinny_gemm_kernel<NT, 1, U, false, 2, true>;
+  if (input == SkinnyInput::kSiluMul && !add) return skinny_gemm_kernel<NT, 1, U, false, 2, false>;
+  return nullptr;
+}
+
+// Shared memory of a fused launch: the reduction buffer, then x staged (when the input is).
+size_t fused_smem_bytes(int warps, int nt, int64_t m, int64_t k, SkinnyInput input) {
+  const size_t staged = input == SkinnyInput::kPlain ? 0 : static_cast<size_t>(m) * staged_stride(static_cast<int>(k)) * 2;
+  return warps * red_bytes(nt, 1) + staged;
+}
+
+constexpr size_t kFusedMaxSmem = 112 * 1024;  // two CTAs per SM still fit (227 KB)
+
 }  // namespace
+
+bool skinny_gemm_fused_supports(const void* in, const void* w, int64_t m, int64_t k, const SkinnyFusion& f) {
+  if (in == nullptr || w == nullptr || m < 1 || m > kSkinnyFusedMaxRows || k <= 0 || k % 8 != 0 ||
+      k > (int64_t{1} << 24) || !detail::aligned16(in) || !detail::aligned16(w)) {
+    return false;
+  }
+  if (f.input == SkinnyInput::kRmsNorm && (f.gamma == nullptr || !detail::aligned16(f.gamma))) return false;
+  if (f.input == SkinnyInput::kPlain && !f.add) return false;  // that is skinny_gemm
+  const int nt = m <= 8 ? 1 : 2;
+  return fused_smem_bytes(16, nt, m, k, f.input) <= kFusedMaxSmem;
+}
+
+cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, int64_t m, int64_t n, int64_t k,
+                              const SkinnyFusion& f, __nv_bfloat16* out, cudaStream_t stream) {
+  if (m == 0 || n == 0) return cudaSuccess;
+  if (!skinny_gemm_fused_supports(in, w, m, k, f) || n < 0 || n > (int64_t{1} << 30) || out == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const int nt = m <= 8 ? 1 : 2;
+  FusedFn kernel = nt == 1 ? pick_fused<1, 8>(f.input, f.add) : pick_fused<2, 4>(f.input, f.add);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const int64_t blocks = (n + 15) / 16;
+  int device = 0, sms = 132;
+  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int warps = blocks <= sms ? 16 : 8;
+  const size_t smem = fused_smem_bytes(warps, nt, m, k, f.input);
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  detail::launch(kernel, static_cast<unsigned>(blocks), warps * 32, smem, stream, in, w, static_cast<int>(m), static_cast<int>(n),
+                                                                       static_cast<int>(k), out, f.gamma, f.eps);
+  return cudaGetLastError();
+}
 
 bool skinny_gemm_supports(const void* x, const void* w, int64_t m, int64_t k) {
   return x != nullptr && w != nullptr && m >= 1 && m <= kSkinnyGemmMaxRows && k > 0 && k % 8 == 0 &&
@@ -242,8 +391,8 @@ cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t 
                                                static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
-  kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, stream>>>(
-      x, w, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), out);
+  detail::launch(kernel, static_cast<unsigned>(blocks), warps * 32, smem, stream, 
+      x, w, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), out, nullptr, 0.0f);
   return cudaGetLastError();
 }
 

@@ -13,7 +13,8 @@ Compiles every manifest entry with triton.compile(ASTSource(...), target=GPUTarg
                           (entry names, shared memory, block size, parameter sizes for the
                           load-time ABI check) and the launchers
   <kernel>.ptx            the PTX of every kernel, for review
-The launchers call cuLaunchKernel through cpp/cuda_driver/driver_api.h; the CUfunction comes
+The launchers call cuLaunchKernelEx through cpp/cuda_driver/driver_api.h (with programmatic dependent
+launch unless DFLASH_PDL=0: every kernel starts with gdc_wait); the CUfunction comes
 from triton_aot::Modules (triton_attention.cpp), which loads every image once.
 
 Calling convention of triton 3.6.0 (read from triton/backends/nvidia/driver.py, make_launcher,
@@ -369,8 +370,21 @@ CUresult launch({sig}) {{
 {check_line}  CUdeviceptr global_scratch = 0;
   CUdeviceptr profile_scratch = 0;
   void* params[] = {{{params}}};
-  return cuda_driver::driver_api().cuLaunchKernel(fn, grid_x, grid_y, grid_z, kNumThreads, 1, 1,
-                                                  kSharedBytes, stream, params, nullptr);
+  CUlaunchAttribute attr;
+  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config = {{}};
+  config.gridDimX = grid_x;
+  config.gridDimY = grid_y;
+  config.gridDimZ = grid_z;
+  config.blockDimX = kNumThreads;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.sharedMemBytes = kSharedBytes;
+  config.hStream = stream;
+  config.attrs = &attr;
+  config.numAttrs = cuda_driver::pdl_enabled() ? 1 : 0;
+  return cuda_driver::driver_api().cuLaunchKernelEx(&config, fn, params, nullptr);
 }}
 }}  // namespace {kernel.name}
 """)

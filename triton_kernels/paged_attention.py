@@ -38,10 +38,16 @@ Inside a kernel the key range of a tile is cut in three: keys that some row of t
 through a loop without masks. Softmax is online in fp32 with exp2 and the scale folded into
 log2(e); rows that see no key (only possible for inconsistent metadata) write zeros.
 
-Only `triton` and `triton.language` are imported: aot.py executes this file at build time.
+Programmatic dependent launch: every kernel starts with gdc_wait (the kernel ahead in the stream
+has completed and its writes are visible; a no-op for a plain launch), then lets the next kernel
+launch (gdc_launch_dependents); the launchers of aot.py set the launch attribute.
+
+Only `triton` and `triton.language` (and its `extra.cuda` grid-dependency helpers) are imported:
+aot.py executes this file at build time.
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -138,6 +144,8 @@ def paged_attention_prefill_kernel(
         scale,  # fp32
         num_seqs, num_heads, num_kv_heads, block_size, max_blocks_per_seq, causal, window,  # i32
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    gdc_wait()  # programmatic dependent launch: the kernel ahead has finished writing q and K/V
+    gdc_launch_dependents()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     group = num_heads // num_kv_heads
@@ -202,6 +210,8 @@ def paged_attention_decode_kernel(
         scale,  # fp32
         num_tokens, num_heads, num_kv_heads, block_size, max_blocks_per_seq, causal, window,  # i32
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    gdc_wait()
+    gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -262,6 +272,8 @@ def paged_attention_split_reduce_kernel(
         out_ptr,  # bf16 [T, num_heads, HEAD_DIM]
         num_tokens, num_heads, num_splits,  # i32
         HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    gdc_wait()
+    gdc_launch_dependents()
     tok = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, MAX_SPLITS)

@@ -105,8 +105,28 @@ class Backend {
   virtual void linear(const Tensor& x, const Tensor& w, Tensor& out) = 0;
   // out[T, I] = silu(gate_up[T, :I]) * gate_up[T, I:]
   virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
-  // out[T, H] = a[T, H] + b[T, H]
+  // out[T, H] = a[T, H] + b[T, H]  (out may be a)
   virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;
+
+  // The linear layers of a decoder layer with their neighbours, which a backend may fuse (the
+  // defaults compose the ops above; `normed`, `act` and `proj` are scratch of the unfused form):
+  // out[T, N] = (rmsnorm(x[T, K]) * norm_w[K]) @ w[N, K]^T
+  virtual void rms_norm_linear(const Tensor& x, const Tensor& norm_w, float eps, const Tensor& w, Tensor& out,
+                               Tensor& normed) {
+    rms_norm(x, norm_w, eps, normed);
+    linear(normed, w, out);
+  }
+  // residual[T, N] += x[T, K] @ w[N, K]^T
+  virtual void linear_add(const Tensor& x, const Tensor& w, Tensor& residual, Tensor& proj) {
+    linear(x, w, proj);
+    add(residual, proj, residual);
+  }
+  // residual[T, N] += (silu(gate_up[T, :I]) * gate_up[T, I:]) @ w[N, I]^T
+  virtual void silu_mul_linear_add(const Tensor& gate_up, const Tensor& w, Tensor& residual, Tensor& act,
+                                   Tensor& proj) {
+    silu_mul(gate_up, act);
+    linear_add(act, w, residual, proj);
+  }
   // Splits qkv[T, (nh + 2 nkv) hd] into q[T, nh, hd], k[T, nkv, hd], v[T, nkv, hd]; applies the
   // per-head RMSNorm to q and k when q_norm/k_norm [hd] are non-empty (Qwen3), then
   // rotate-half RoPE at positions[T] with inv_freq[hd/2] and the attention scaling factor.
@@ -156,11 +176,20 @@ class Backend {
   virtual void kv_norm_rope_write_layers(const Tensor& kv, const Tensor& k_norm, float eps, const Tensor& positions,
                                          const Tensor& inv_freq, const Tensor& slots, KVPool& pool) = 0;
 
+  // ids[R] (int32): ids[i] = feed[i] >= 0 ? prev[feed[i]] : ids[i]  (pipelined decode: the
+  // anchors of a step launched before the host has read the previous step's tokens prev[])
+  virtual void feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) = 0;
+
   // --- Host staging and copies on the backend's stream (plain memcpy on the CPU) ---
   // Host memory the device can copy from/to asynchronously (pinned on CUDA).
   virtual std::shared_ptr<void> host_alloc(size_t bytes) = 0;
   virtual void copy_to_device(Tensor& dst, const void* host, size_t bytes) = 0;
   virtual void copy_to_host(void* host, const Tensor& src, size_t bytes) = 0;
+  // Step markers (slots 0 and 1): record_step(s) marks the work queued so far; wait_step(s)
+  // returns when that work is done (later work may still run). The CPU runs ops as they are
+  // issued, so both are no-ops there.
+  virtual void record_step(int slot) {}
+  virtual void wait_step(int slot) {}
 
   // --- Graphs (CUDA): the ops issued between capture_begin and capture_end are recorded, not
   // run; graph_launch replays them. Tensors they touch must outlive the graph. ---

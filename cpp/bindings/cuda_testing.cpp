@@ -8,10 +8,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "backend/cuda/cublaslt_gemm.h"
@@ -346,6 +348,39 @@ void cuda_skinny_gemm(const Any& x, const Any& w, const Any& out, std::optional<
            stream);
 }
 
+// The fused skinny GEMM: mode "rms_norm" (inp [M, K] normalised with gamma [K]), "silu_mul" (inp
+// [M, 2K] = [gate | up]) or "plain" (inp [M, K]); add: out (bf16 [M, N]) += the product.
+void cuda_skinny_gemm_fused(const Any& inp, const Any& w, const Any& out, const std::string& mode,
+                            std::optional<Any> gamma, float eps, bool add) {
+  DFLASH_ARG_CHECK(inp.ndim() == 2 && w.ndim() == 2 && out.ndim() == 2 && out.shape(0) == inp.shape(0) &&
+                       out.shape(1) == w.shape(0),
+                   "skinny_gemm_fused: inp [M, K or 2K], w [N, K], out [M, N]");
+  cuda::SkinnyFusion f;
+  f.add = add;
+  f.eps = eps;
+  int64_t in_cols = w.shape(1);
+  if (mode == "rms_norm") {
+    f.input = cuda::SkinnyInput::kRmsNorm;
+    DFLASH_ARG_CHECK(gamma.has_value() && gamma->ndim() == 1 && gamma->shape(0) == w.shape(1),
+                     "skinny_gemm_fused: rms_norm needs gamma [K]");
+    f.gamma = bf16_ptr(*gamma, "gamma");
+  } else if (mode == "silu_mul") {
+    f.input = cuda::SkinnyInput::kSiluMul;
+    in_cols = 2 * w.shape(1);
+  } else {
+    DFLASH_ARG_CHECK(mode == "plain", "skinny_gemm_fused: mode is rms_norm, silu_mul or plain, not ", mode);
+  }
+  DFLASH_ARG_CHECK(inp.shape(1) == in_cols, "skinny_gemm_fused: inp has ", inp.shape(1), " columns, expected ",
+                   in_cols);
+  use_device(inp.device_id());
+  const __nv_bfloat16* in = bf16_ptr(inp, "inp");
+  const __nv_bfloat16* wp = bf16_ptr(w, "w");
+  DFLASH_ARG_CHECK(cuda::skinny_gemm_fused_supports(in, wp, inp.shape(0), w.shape(1), f),
+                   "skinny_gemm_fused: unsupported (M <= 16, K % 8 == 0, 16-byte aligned, shared memory)");
+  finish("skinny_gemm_fused", cuda::skinny_gemm_fused(in, wp, inp.shape(0), w.shape(0), w.shape(1), f,
+                                                      bf16_ptr(out, "out"), nullptr));
+}
+
 // The CUDA backend's cuBLASLt path (one handle and a 32 MiB workspace for the process, kept
 // until exit), as the reference of the skinny GEMM benchmarks.
 void cuda_cublaslt_gemm(const Any& x, const Any& w, const Any& out, std::optional<uintptr_t> stream) {
@@ -401,6 +436,8 @@ void bind_cuda_testing(nb::module_& m) {
   m.def("cuda_skinny_gemm", &cuda_skinny_gemm, "x"_a, "w"_a, "out"_a, "stream"_a.none() = nb::none(),
         "warps"_a = 0, "row_tiles"_a = 0, "unroll"_a = 0);
   m.def("cuda_cublaslt_gemm", &cuda_cublaslt_gemm, "x"_a, "w"_a, "out"_a, "stream"_a.none() = nb::none());
+  m.def("cuda_skinny_gemm_fused", &cuda_skinny_gemm_fused, "inp"_a, "w"_a, "out"_a, "mode"_a,
+        "gamma"_a.none() = nb::none(), "eps"_a = 1e-6f, "add"_a = false);
   m.def("cuda_accept_drafts", &cuda_accept_drafts, "drafts"_a, "logits"_a, "temperature"_a,
         "top_k"_a, "top_p"_a, "seed"_a, "position"_a, "num_accepted"_a, "next_token"_a);
 }

@@ -157,6 +157,7 @@ NB_MODULE(_core, m) {
       .def_rw("num_speculative_tokens", &SessionConfig::num_speculative_tokens)
       .def_rw("gpu_memory_utilization", &SessionConfig::gpu_memory_utilization)
       .def_rw("cuda_graphs", &SessionConfig::cuda_graphs)
+      .def_rw("async_decode", &SessionConfig::async_decode)
       .def_rw("pad_decode_batches", &SessionConfig::pad_decode_batches);
 
   nb::class_<SamplingConfig>(m, "SamplingConfig")
@@ -230,7 +231,9 @@ NB_MODULE(_core, m) {
       .def_ro("time_decode_s", &EngineStats::time_decode_s)
       .def_ro("num_graph_steps", &EngineStats::num_graph_steps)
       .def_ro("num_eager_decode_steps", &EngineStats::num_eager_decode_steps)
-      .def_ro("num_eager_forwards", &EngineStats::num_eager_forwards);
+      .def_ro("num_eager_forwards", &EngineStats::num_eager_forwards)
+      .def_ro("num_pipelined_steps", &EngineStats::num_pipelined_steps)
+      .def_ro("num_dropped_rows", &EngineStats::num_dropped_rows);
 
   nb::class_<SessionStats>(m, "SessionStats")
       .def_ro("device", &SessionStats::device)

@@ -1,6 +1,8 @@
 // Run-time resolution of the CUDA driver API through the static CUDA runtime (see driver_api.h).
 #include "cuda_driver/driver_api.h"
 
+#include <cstdlib>
+
 #include <cuda_runtime_api.h>
 
 namespace dflash {
@@ -46,6 +48,7 @@ DriverApi resolve_all() {
   resolve(&api.cuFuncGetParamInfo, "cuFuncGetParamInfo", kV12040);
   resolve(&api.cuFuncLoad, "cuFuncLoad", kV12040);
   resolve(&api.cuLaunchKernel, "cuLaunchKernel", kBaseVersion);
+  resolve(&api.cuLaunchKernelEx, "cuLaunchKernelEx", kBaseVersion);
   resolve(&api.cuStreamSynchronize, "cuStreamSynchronize", kBaseVersion);
   return api;
 }
@@ -55,6 +58,14 @@ DriverApi resolve_all() {
 const DriverApi& driver_api() {
   static const DriverApi api = resolve_all();  // a throw leaves it uninitialised: retried
   return api;
+}
+
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("DFLASH_PDL");
+    return !(v != nullptr && std::string(v) == "0");
+  }();
+  return on;
 }
 
 std::string cu_error_string(CUresult result) {

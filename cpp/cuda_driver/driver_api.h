@@ -31,6 +31,7 @@ struct DriverApi {
   PFN_cuFuncGetParamInfo_v12040 cuFuncGetParamInfo;  // driver >= 12.4
   PFN_cuFuncLoad_v12040 cuFuncLoad;                  // driver >= 12.4
   PFN_cuLaunchKernel_v4000 cuLaunchKernel;
+  PFN_cuLaunchKernelEx_v11060 cuLaunchKernelEx;
   PFN_cuStreamSynchronize_v2000 cuStreamSynchronize;
 };
 
@@ -38,6 +39,10 @@ struct DriverApi {
 // dflash::Error naming the first one that is missing (no driver, or one older than 12.4); a later
 // call tries again. After one successful call it never throws.
 const DriverApi& driver_api();
+
+// Whether kernels are launched with programmatic dependent launch (DFLASH_PDL, read once; on
+// unless "0"): the same switch as the hand-written kernels' (cuda/common.cuh).
+bool pdl_enabled();
 
 // "CUDA_ERROR_NAME: description" of a driver result; never throws (falls back to the number
 // when the driver is unavailable).

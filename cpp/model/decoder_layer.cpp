@@ -62,24 +62,16 @@ LayerScratch::LayerScratch(Backend& b, const LayerGeometry& g, int64_t t) {
   act = b.empty({t, g.intermediate}, dt);
 }
 
-void decoder_layer_forward(Backend& b, const LayerWeights& w, const LayerGeometry& g, bool first,
-                           const Tensor& positions, const Tensor& inv_freq, const Tensor& slots,
-                           const AttentionMeta& meta, KVPool& pool, int64_t layer, Tensor& residual,
-                           LayerScratch& s) {
+void decoder_layer_forward(Backend& b, const LayerWeights& w, const LayerGeometry& g, const Tensor& positions,
+                           const Tensor& inv_freq, const Tensor& slots, const AttentionMeta& meta, KVPool& pool,
+                           int64_t layer, Tensor& residual, LayerScratch& s) {
   const int64_t t = residual.dim(0);
-  if (first) {
-    b.rms_norm(residual, w.input_norm, g.eps, s.normed);
-  } else {
-    b.add_rms_norm(residual, s.proj, w.input_norm, g.eps, s.normed);
-  }
-  b.linear(s.normed, w.qkv, s.qkv);
+  b.rms_norm_linear(residual, w.input_norm, g.eps, w.qkv, s.qkv, s.normed);
   b.qkv_norm_rope_write(s.qkv, w.q_norm, w.k_norm, g.eps, positions, inv_freq, slots, s.q, s.k, s.v, pool, layer);
   b.paged_attention(s.q, pool, layer, meta, s.attn);
-  b.linear(s.attn.reshape({t, g.num_heads * g.head_dim}), w.o, s.proj);
-  b.add_rms_norm(residual, s.proj, w.post_norm, g.eps, s.normed);
-  b.linear(s.normed, w.gate_up, s.gate_up);
-  b.silu_mul(s.gate_up, s.act);
-  b.linear(s.act, w.down, s.proj);
+  b.linear_add(s.attn.reshape({t, g.num_heads * g.head_dim}), w.o, residual, s.proj);
+  b.rms_norm_linear(residual, w.post_norm, g.eps, w.gate_up, s.gate_up, s.normed);
+  b.silu_mul_linear_add(s.gate_up, w.down, residual, s.act, s.proj);
 }
 
 AttentionMeta attention_meta_build(Backend& backend, const ForwardBatch& batch, bool causal) {

@@ -49,13 +49,13 @@ struct LayerScratch {
   LayerScratch(Backend& backend, const LayerGeometry& g, int64_t tokens);
 };
 
-// Runs one layer. The residual stream is residual + s.proj (the previous layer's MLP output,
-// added lazily with the fused add+norm); `first` says s.proj holds nothing yet. On return
-// s.proj holds this layer's MLP output, so the layer's output is residual + s.proj.
-void decoder_layer_forward(Backend& backend, const LayerWeights& w, const LayerGeometry& g, bool first,
-                           const Tensor& positions, const Tensor& inv_freq, const Tensor& slots,
-                           const AttentionMeta& meta, KVPool& pool, int64_t layer, Tensor& residual,
-                           LayerScratch& s);
+// Runs one layer on the residual stream [T, H], updated in place: on return it is the layer's
+// output. The attention and MLP outputs are added by the linear layers themselves
+// (Backend::linear_add / silu_mul_linear_add), the norms run with the linear layers they feed
+// (Backend::rms_norm_linear), so a backend can fuse each group into one kernel.
+void decoder_layer_forward(Backend& backend, const LayerWeights& w, const LayerGeometry& g, const Tensor& positions,
+                           const Tensor& inv_freq, const Tensor& slots, const AttentionMeta& meta, KVPool& pool,
+                           int64_t layer, Tensor& residual, LayerScratch& s);
 
 // AttentionMeta of a ForwardBatch, uploaded to the backend.
 AttentionMeta attention_meta_build(Backend& backend, const ForwardBatch& batch, bool causal);

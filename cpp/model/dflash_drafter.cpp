@@ -88,10 +88,10 @@ Tensor DFlashDrafter::draft(const DeviceBatch& batch, KVPool& pool, DType logits
     AttentionMeta meta = batch.meta;
     meta.causal = false;
     meta.window = config_.sliding_window[l];
-    decoder_layer_forward(backend_, layers_[l], g, l == 0, batch.positions, inv_freq_, batch.slots, meta, pool,
+    decoder_layer_forward(backend_, layers_[l], g, batch.positions, inv_freq_, batch.slots, meta, pool,
                           static_cast<int64_t>(l), residual, s);
   }
-  backend_.add_rms_norm(residual, s.proj, norm_, g.eps, s.normed);
+  backend_.rms_norm(residual, norm_, g.eps, s.normed);
   return lm_head_rows(backend_, target_.lm_head(), s.normed, batch, logits_dtype);
 }
 

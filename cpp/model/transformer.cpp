@@ -67,21 +67,19 @@ ForwardResult Transformer::forward(const DeviceBatch& batch, KVPool& pool) {
   ForwardResult result;
   const int64_t num_taps = static_cast<int64_t>(tap_layers_.size());
   if (batch.want_taps && num_taps > 0) result.taps = backend_.empty({t, num_taps * h}, dt);
-  Tensor tap_tmp = result.taps.empty() ? Tensor() : backend_.empty({t, h}, dt);
 
   backend_.embedding(embed_, batch.token_ids, residual);
   for (int64_t l = 0; l < config_.num_layers; ++l) {
-    decoder_layer_forward(backend_, layers_[l], geometry_, l == 0, batch.positions, inv_freq_, batch.slots,
-                          batch.meta, pool, l, residual, s);
+    decoder_layer_forward(backend_, layers_[l], geometry_, batch.positions, inv_freq_, batch.slots, batch.meta, pool,
+                          l, residual, s);
     if (!result.taps.empty()) {
       auto it = std::find(tap_layers_.begin(), tap_layers_.end(), static_cast<int>(l));
       if (it != tap_layers_.end()) {  // the layer's output, written as column block j of taps
-        backend_.add(residual, s.proj, tap_tmp);
-        backend_.copy_columns(tap_tmp, result.taps, (it - tap_layers_.begin()) * h);
+        backend_.copy_columns(residual, result.taps, (it - tap_layers_.begin()) * h);
       }
     }
   }
-  backend_.add_rms_norm(residual, s.proj, final_norm_, geometry_.eps, s.normed);
+  backend_.rms_norm(residual, final_norm_, geometry_.eps, s.normed);
   result.logits = lm_head_rows(backend_, lm_head_, s.normed, batch, DType::kF32);
   return result;
 }

@@ -59,11 +59,14 @@ DecodePrograms::DecodePrograms(Backend& backend, Transformer& target, KVPool& ta
   in_override_ = take(bmax * n_);
   in_use_override_ = take(bmax);
   in_params_ = take(bmax * kParamWords);
+  in_feed_ = take(bmax);
   in_block_table_ = take(bmax * width_);
   in_words_ = w;
   in_dev_ = backend_.zeros({in_words_}, DType::kI32);
-  in_host_ = backend_.host_alloc(static_cast<size_t>(in_words_) * 4);
-  std::memset(in_host_.get(), 0, static_cast<size_t>(in_words_) * 4);
+  for (auto& h : in_host_) {
+    h = backend_.host_alloc(static_cast<size_t>(in_words_) * 4);
+    std::memset(h.get(), 0, static_cast<size_t>(in_words_) * 4);
+  }
 
   w = 0;
   out_tokens_ = take(bmax);
@@ -72,7 +75,10 @@ DecodePrograms::DecodePrograms(Backend& backend, Transformer& target, KVPool& ta
   out_next_ = take(bmax);
   out_words_ = w;
   out_dev_ = backend_.zeros({out_words_}, DType::kI32);
-  out_host_ = backend_.host_alloc(static_cast<size_t>(out_words_) * 4);
+  for (auto& h : out_host_) {
+    h = backend_.host_alloc(static_cast<size_t>(out_words_) * 4);
+    std::memset(h.get(), 0, static_cast<size_t>(out_words_) * 4);
+  }
   if (n_ > 0) proposed_ = backend_.zeros({bmax * n_}, DType::kI32);
 }
 
@@ -99,8 +105,8 @@ Tensor DecodePrograms::out_field(int64_t offset, int64_t count) const {
   return t;
 }
 
-void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b) {
-  int32_t* h = static_cast<int32_t*>(in_host_.get());
+void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b, int slot) {
+  int32_t* h = static_cast<int32_t*>(in_host_[slot].get());
   const int64_t bs = config_.block_size, q = q_, n = n_;
   const int32_t mask = drafter_ ? static_cast<int32_t>(drafter_->config().mask_token_id) : 0;
   for (int64_t r = 0; r < b; ++r) {
@@ -122,6 +128,8 @@ void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b) {
       h[in_override_ + r * n + j] = row.override_drafts ? row.override_drafts[j] : 0;
     }
     h[in_use_override_ + r] = row.override_drafts ? 1 : 0;
+    DFLASH_CHECK(row.feed < 0 || (config_.feed && n == 0), "a fed anchor needs an AR program built with feed");
+    h[in_feed_ + r] = row.feed;
     SampleRow s = real ? row.sample : SampleRow{};
     if (!real) s.position = 1;
     const SampleParamsPacked p = sample_params_pack(s);
@@ -166,13 +174,15 @@ void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
   };
 
   if (n == 0) {
+    if (config_.feed) {  // pipelined steps: anchors from the previous step's tokens (before they are overwritten)
+      backend_.feed_tokens(d.token_ids, field(in_feed_, b), out_field(out_tokens_, config_.max_batch));
+    }
     d.meta.causal = true;
     d.all_logit_rows = true;
     ForwardResult fwd = target_.forward(d, target_pool_);
     Tensor tokens = out_field(out_tokens_, b);
     backend_.sample_rows(fwd.logits, params, tokens);
     last_logits_ = fwd.logits;
-    backend_.copy_to_host(out_host_.get(), out_dev_, static_cast<size_t>(out_words_) * 4);
     return;
   }
 
@@ -199,7 +209,6 @@ void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
   mark(1);
   Tensor accepted = out_field(out_accepted_, b), next = out_field(out_next_, b);
   backend_.accept(drafts, fwd.logits, params, accepted, next);
-  backend_.copy_to_host(out_host_.get(), out_dev_, static_cast<size_t>(out_words_) * 4);
   mark(2);
   // Context update of all q rows (the rejected ones are overwritten by the next draft block).
   drafter_->update_context(fwd.taps, d.positions, d.slots, *draft_pool_);
@@ -211,7 +220,7 @@ void DecodePrograms::capture() {
   graphs_.clear();
   graph_logits_.clear();
   for (int64_t s : sizes_) {
-    stage({}, s);  // every row padding: the warm-up run writes the trash blocks only
+    stage({}, s, 0);  // every row padding: the warm-up run writes the trash blocks only
     backend_.begin_step();
     issue(s, nullptr);
     backend_.synchronize();
@@ -237,11 +246,20 @@ void DecodePrograms::run(const std::vector<DecodeRow>& rows, const std::function
   wait();
 }
 
-void DecodePrograms::wait() { backend_.synchronize(); }
+void DecodePrograms::wait() {
+  backend_.synchronize();
+  read_slot_ = last_slot_;
+}
 
-void DecodePrograms::launch(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase) {
+void DecodePrograms::wait_step(int slot) {
+  backend_.wait_step(slot);
+  read_slot_ = slot;
+}
+
+int DecodePrograms::launch(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase) {
+  const int slot = next_slot_;
   const int64_t b = padded(static_cast<int64_t>(rows.size()));
-  stage(rows, b);
+  stage(rows, b, slot);
   backend_.begin_step();
   if (config_.graphs) {
     const size_t idx = static_cast<size_t>(std::lower_bound(sizes_.begin(), sizes_.end(), b) - sizes_.begin());
@@ -251,6 +269,11 @@ void DecodePrograms::launch(const std::vector<DecodeRow>& rows, const std::funct
   } else {
     issue(b, phase);
   }
+  backend_.copy_to_host(out_host_[slot].get(), out_dev_, static_cast<size_t>(out_words_) * 4);
+  backend_.record_step(slot);
+  last_slot_ = slot;
+  next_slot_ = slot ^ 1;
+  return slot;
 }
 
 }  // namespace dflash

@@ -4,7 +4,8 @@
 // acceptance → drafter context update of all n + 1 rows (rows past the accepted ones are
 // overwritten by the next draft block before anything reads them). Inputs come from static
 // buffers (one host→device copy per step), outputs go to host memory by one device→host copy,
-// so a step needs one synchronisation. On CUDA the rows are padded to a few batch sizes and each
+// so a step needs one synchronisation. A pipelined AR step (config.feed) may be launched before
+// the previous one is read: its anchors then come from the previous step's tokens on the device. On CUDA the rows are padded to a few batch sizes and each
 // size is captured into a graph at start-up and replayed; padding rows write a reserved "trash"
 // block of the KV pools, outside the allocator's range.
 #pragma once
@@ -27,6 +28,7 @@ struct DecodeRow {
   const BlockTable* blocks = nullptr;
   SampleRow sample;          // position: the first token sampled / drafted (q0 + 1)
   const int32_t* override_drafts = nullptr;  // [n] test hook: drafts to verify instead of the drafter's
+  int32_t feed = -1;  // AR with config.feed: >= 0 takes the anchor from that row of the previous step's tokens
 };
 
 struct DecodeProgramConfig {
@@ -37,6 +39,7 @@ struct DecodeProgramConfig {
   int32_t trash_block = 0;     // first reserved block id (num_blocks_for(rows per request) of them)
   bool pad = false;            // pad rows to the graph sizes (CUDA)
   bool graphs = false;         // capture and replay graphs (needs pad)
+  bool feed = false;           // AR: anchors may come from the previous step's tokens (DecodeRow::feed)
 };
 
 class DecodePrograms {
@@ -62,8 +65,13 @@ class DecodePrograms {
   // stream-ordered work may be queued before wait(), which returns when the outputs are on the
   // host. (The per-step arena is reused by such work: an AR step's last_logits() must be read
   // before it.)
-  void launch(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase = nullptr);
+  // launch returns the step's slot (0 or 1, alternating): a step may be launched while the one
+  // before it still runs (pipelined decode) and be waited for by wait_step(slot); the outputs
+  // read below are those of the step last waited for. Inputs and outputs are double-buffered on
+  // the host, so two steps can be in flight.
+  int launch(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase = nullptr);
   void wait();
+  void wait_step(int slot);
   // Outputs of the last run (host memory, valid until the next run). AR: tokens[R].
   // Speculative: drafts[R * n], num_accepted[R], next_token[R].
   const int32_t* tokens() const { return out_host_i32() + out_tokens_; }
@@ -78,8 +86,8 @@ class DecodePrograms {
   struct Graph;
   // Issues the program's ops for `b` padded rows (eager, or being captured).
   void issue(int64_t b, const std::function<void(int)>& phase);
-  void stage(const std::vector<DecodeRow>& rows, int64_t b);
-  const int32_t* out_host_i32() const { return static_cast<const int32_t*>(out_host_.get()); }
+  void stage(const std::vector<DecodeRow>& rows, int64_t b, int slot);
+  const int32_t* out_host_i32() const { return static_cast<const int32_t*>(out_host_[read_slot_].get()); }
   Tensor field(int64_t offset, int64_t count) const;
   Tensor out_field(int64_t offset, int64_t count) const;
 
@@ -96,17 +104,20 @@ class DecodePrograms {
   std::vector<std::unique_ptr<CapturedGraph>> graphs_;  // per entry of sizes_
   std::vector<Tensor> graph_logits_;                    // AR logits tensor of each graph
 
-  // Static inputs (int32 words; one device buffer, one pinned host staging buffer).
+  // Static inputs (int32 words; one device buffer, two pinned host staging buffers).
   int64_t in_ids_ = 0, in_verify_ids_ = 0, in_positions_ = 0, in_slots_ = 0, in_query_start_ = 0,
           in_kv_len_ = 0, in_logit_rows_ = 0, in_override_ = 0, in_use_override_ = 0, in_params_ = 0,
-          in_block_table_ = 0, in_words_ = 0;
+          in_feed_ = 0, in_block_table_ = 0, in_words_ = 0;
   Tensor in_dev_;
-  std::shared_ptr<void> in_host_;
+  std::shared_ptr<void> in_host_[2];
+  int next_slot_ = 0;  // slot of the next launch
+  int last_slot_ = 0;  // slot of the last launch
+  int read_slot_ = 0;  // slot whose outputs tokens() & co. read
   // Device scratch of the speculative program and the outputs.
   Tensor proposed_;
   int64_t out_tokens_ = 0, out_drafts_ = 0, out_accepted_ = 0, out_next_ = 0, out_words_ = 0;
   Tensor out_dev_;
-  std::shared_ptr<void> out_host_;
+  std::shared_ptr<void> out_host_[2];
   Tensor last_logits_;
 };
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 namespace dflash {
 
@@ -22,7 +23,11 @@ Engine::Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocato
       allocator_(allocator),
       scheduler_(with_lookahead(sched, spec), allocator),
       max_model_len_(max_model_len),
-      spec_(spec) {
+      spec_(spec),
+      async_decode_(options.async_decode) {
+  DFLASH_ARG_CHECK(!async_decode_ || spec.drafter == nullptr,
+                   "async_decode pipelines target-only decoding; a draft model's steps depend on their "
+                   "acceptance counts (turn one of them off)");
   if (spec_.drafter) {
     stats_.accepted_per_position.assign(spec_.num_spec_tokens, 0);
   }
@@ -37,11 +42,24 @@ Engine::Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocato
   pc.trash_block = options.trash_block;
   pc.pad = options.pad_batches || options.cuda_graphs;
   pc.graphs = options.cuda_graphs;
+  pc.feed = async_decode_;
   programs_ = std::make_unique<DecodePrograms>(backend_, model_, pool_, spec_.drafter, spec_.pool, pc);
   programs_->capture();
 }
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  if (pending_) {  // the step in flight reads buffers that die with the engine
+    try {
+      programs_->wait_step(pending_->slot);
+    } catch (...) {
+    }
+  }
+}
+
+bool Engine::abort(int64_t id) {
+  drain();
+  return scheduler_.abort(id);
+}
 
 int64_t Engine::trash_blocks(const Speculator& spec, int64_t block_size) {
   return DecodePrograms::trash_blocks(spec.drafter ? spec.num_spec_tokens + 1 : 1, block_size);
@@ -169,6 +187,8 @@ std::vector<int32_t> pending_tokens(const Request* r) {
 }  // namespace
 
 std::vector<StepOutput> Engine::step() {
+  if (pending_) return finish_pending(/*allow_next=*/true);
+  if (!stashed_.empty()) return std::exchange(stashed_, {});
   std::vector<Request*> running = scheduler_.schedule();
   if (running.empty()) return {};
   stats_.num_steps += 1;
@@ -198,6 +218,98 @@ std::vector<StepOutput> Engine::step() {
     prefill();
   }
   outputs.insert(outputs.end(), std::make_move_iterator(prefilled.begin()), std::make_move_iterator(prefilled.end()));
+  if (!decode.empty() && eager.empty()) {
+    const std::vector<bool> none(decode.size(), false);
+    if (can_pipeline(decode, none)) pending_ = launch_ahead(decode, none, /*fed=*/false);
+  }
+  return outputs;
+}
+
+bool Engine::can_pipeline(const std::vector<Request*>& rows, const std::vector<bool>& dead) const {
+  if (!async_decode_ || spec_.drafter != nullptr || scheduler_.num_waiting() > 0) return false;
+  int64_t alive = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (dead[i] || rows[i]->status == RequestStatus::kFinished) continue;
+    const RequestInput& in = rows[i]->input;
+    if (in.record_logits || in.record_taps || in.record_prompt_logits || !in.forced_tokens.empty()) return false;
+    ++alive;
+  }
+  // every running request is in this step: nobody needs a step of another kind
+  return alive > 0 && alive == scheduler_.num_running();
+}
+
+std::optional<Engine::PendingStep> Engine::launch_ahead(const std::vector<Request*>& rows,
+                                                        const std::vector<bool>& dead, bool fed) {
+  PendingStep next;
+  std::vector<DecodeRow> drows;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (dead[i]) continue;
+    Request* r = rows[i];
+    if (r->status == RequestStatus::kFinished) continue;
+    // The step not yet read (fed) emits one more token: the request continues past it only if
+    // that token does not reach max_new_tokens (an EOS or stop token cannot be known yet).
+    const int64_t pending_tokens = fed ? 1 : 0;
+    if (static_cast<int64_t>(r->output.size()) + pending_tokens >= r->max_new_tokens) continue;
+    const int64_t q0 = r->num_computed + pending_tokens;
+    const SamplingConfig& s = r->input.sampling;
+    DecodeRow d;
+    d.q0 = q0;
+    d.anchor = fed ? 0 : r->token_at(q0);
+    d.feed = fed ? static_cast<int32_t>(i) : -1;
+    d.blocks = &r->blocks;
+    d.sample = SampleRow{s.temperature, s.top_k, s.top_p, s.seed, q0 + 1};
+    r->blocks.truncate(q0);
+    r->blocks.append(1);
+    drows.push_back(d);
+    next.rows.push_back(r);
+  }
+  if (drows.empty()) return std::nullopt;
+  next.dead.assign(next.rows.size(), false);
+  next.slot = programs_->launch(drows);
+  stats_.num_pipelined_steps += 1;
+  (programs_->graphs() ? stats_.num_graph_steps : stats_.num_eager_decode_steps) += 1;
+  return next;
+}
+
+std::vector<StepOutput> Engine::finish_pending(bool allow_next) {
+  const Clock::time_point t0 = Clock::now();
+  PendingStep cur = std::move(*pending_);
+  pending_.reset();
+  std::optional<PendingStep> next;
+  if (allow_next && can_pipeline(cur.rows, cur.dead)) next = launch_ahead(cur.rows, cur.dead, /*fed=*/true);
+  programs_->wait_step(cur.slot);
+  stats_.num_steps += 1;
+  std::vector<StepOutput> outputs = commit_ar(cur.rows, cur.dead, programs_->tokens());
+  if (next) {  // requests that ended in this step: their rows of the next one are dropped
+    for (size_t j = 0; j < next->rows.size(); ++j) {
+      next->dead[j] = next->rows[j]->status == RequestStatus::kFinished;
+    }
+    pending_ = std::move(next);
+  }
+  stats_.time_decode_s += std::chrono::duration<double>(Clock::now() - t0).count();
+  return outputs;
+}
+
+void Engine::drain() {
+  if (!pending_) return;
+  std::vector<StepOutput> out = finish_pending(/*allow_next=*/false);
+  stashed_.insert(stashed_.end(), std::make_move_iterator(out.begin()), std::make_move_iterator(out.end()));
+}
+
+std::vector<StepOutput> Engine::commit_ar(const std::vector<Request*>& rows, const std::vector<bool>& dead,
+                                          const int32_t* sampled) {
+  const Clock::time_point now = Clock::now();
+  std::vector<StepOutput> outputs;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (dead[i]) {
+      stats_.num_dropped_rows += 1;
+      continue;
+    }
+    Request* r = rows[i];
+    r->num_computed += 1;
+    stats_.num_forward_tokens += 1;
+    outputs.push_back(emit_sampled(r, sampled[i], now));
+  }
   return outputs;
 }
 

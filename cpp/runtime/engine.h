@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "backend/backend.h"
@@ -37,6 +38,10 @@ struct EngineStats {
   int64_t num_graph_steps = 0;
   int64_t num_eager_decode_steps = 0;
   int64_t num_eager_forwards = 0;
+  // Pipelined AR decode: steps launched ahead of their predecessor's outputs, and the rows of
+  // such steps dropped because their request had ended.
+  int64_t num_pipelined_steps = 0;
+  int64_t num_dropped_rows = 0;
 };
 
 // How the engine runs decode steps.
@@ -44,6 +49,12 @@ struct EngineOptions {
   bool cuda_graphs = false;  // capture decode programs into graphs (CUDA)
   bool pad_batches = false;  // pad decode steps to the graph batch sizes (always with graphs)
   int32_t trash_block = 0;   // first of the KV blocks reserved for padding rows
+  // Pipelined AR decode: while every running request is decoding and none is waiting, each step
+  // launches the next one (anchors taken from this step's tokens on the device) before it waits
+  // for its own outputs, so the host's work between steps runs while the GPU computes. A step
+  // of a request that ends (EOS, stop token) is then computed once for nothing and dropped.
+  // Target-only decoding (a drafter's steps depend on their acceptance counts).
+  bool async_decode = false;
 };
 
 // The drafter side of an engine: the model, its KV pool (same block ids as the target's) and
@@ -72,8 +83,9 @@ class Engine {
   void propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* drafts, std::vector<float>* logits);
   bool speculative() const { return spec_.drafter != nullptr; }
   int64_t num_spec_tokens() const { return spec_.num_spec_tokens; }
-  bool abort(int64_t id) { return scheduler_.abort(id); }
-  bool has_unfinished() const { return scheduler_.has_unfinished(); }
+  bool abort(int64_t id);
+  // Requests still running or waiting, or outputs not yet returned by step().
+  bool has_unfinished() const { return scheduler_.has_unfinished() || !stashed_.empty(); }
   // The finished request (tokens, metrics, recordings); nullptr if not finished.
   std::unique_ptr<Request> take_finished(int64_t id) { return scheduler_.take_finished(id); }
 
@@ -105,6 +117,27 @@ class Engine {
                                              const std::function<void()>& overlap);
   // Prefill of new requests with a drafter: target forward with taps, first token, context.
   std::vector<StepOutput> speculative_prefill(const std::vector<Request*>& running);
+  // Pipelined AR decode (EngineOptions::async_decode): the step in flight, launched before the
+  // host read its predecessor; rows whose request ended meanwhile are dead (their output dropped).
+  struct PendingStep {
+    std::vector<Request*> rows;
+    std::vector<bool> dead;
+    int slot = 0;
+  };
+  // Whether the next decode step can be launched ahead (async on, target-only, nothing waiting,
+  // no recording or forced tokens on `rows`).
+  bool can_pipeline(const std::vector<Request*>& rows, const std::vector<bool>& dead) const;
+  // Launches the next AR step over the requests of `rows` that continue after the step whose
+  // outputs are not read yet (fed = true: their anchors come from that step's tokens, row i of
+  // `rows` = token row i) or were just read (fed = false); nullopt when none continues.
+  std::optional<PendingStep> launch_ahead(const std::vector<Request*>& rows, const std::vector<bool>& dead, bool fed);
+  // Waits for the step in flight, launching its successor first when allowed, and emits its tokens.
+  std::vector<StepOutput> finish_pending(bool allow_next);
+  // Finishes the step in flight without a successor; its outputs are returned by the next step().
+  void drain();
+  // Emits one AR token per row (sampled[i] for rows[i], dead rows skipped).
+  std::vector<StepOutput> commit_ar(const std::vector<Request*>& rows, const std::vector<bool>& dead,
+                                    const int32_t* sampled);
   // Bookkeeping after a request emitted `out`.
   void finish_if_done(Request* r, const StepOutput& out);
   // Emits one sampled token (or the request's forced token at this index) and finishes the
@@ -121,6 +154,9 @@ class Engine {
   EngineStats stats_;
   Speculator spec_;
   std::unique_ptr<DecodePrograms> programs_;
+  bool async_decode_ = false;
+  std::optional<PendingStep> pending_;
+  std::vector<StepOutput> stashed_;  // outputs of a drained step, returned by the next step()
 };
 
 }  // namespace dflash

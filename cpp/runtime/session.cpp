@@ -135,6 +135,7 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   options.cuda_graphs = config.cuda_graphs && backend_->kind() == DeviceKind::kCUDA;
   options.pad_batches = config.pad_decode_batches || backend_->kind() == DeviceKind::kCUDA;
   options.trash_block = static_cast<int32_t>(num_blocks);
+  options.async_decode = config.async_decode;
   const Clock::time_point t0 = Clock::now();
   engine_ = std::make_unique<Engine>(*model_, *backend_, pool_, *allocator_, sched, max_model_len_, spec, options);
   graph_capture_s_ = options.cuda_graphs ? seconds_between(t0, Clock::now()) : 0.0;

@@ -30,6 +30,7 @@ struct SessionConfig {
   int64_t num_speculative_tokens = 0;  // drafts per step, 1..block_size-1 (0: block_size-1)
   double gpu_memory_utilization = 0.9;  // CUDA: fraction of GPU memory this session may use
   bool cuda_graphs = true;             // CUDA: replay decode steps from captured graphs
+  bool async_decode = false;           // pipelined target-only decoding (EngineOptions::async_decode)
   // Pad decode steps to the graph batch sizes: always on CUDA; settable on the CPU so that the
   // padding rows' path (reserved KV blocks) is tested there too (test hook, not public API).
   bool pad_decode_batches = false;

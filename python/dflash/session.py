@@ -25,6 +25,7 @@ _RUNTIME_KWARGS = {
     "max_num_batched_tokens": "max_num_batched_tokens",
     "num_threads": "num_threads",
     "cuda_graphs": "cuda_graphs",
+    "async_decode": "async_decode",
 }
 
 
@@ -83,7 +84,10 @@ class Session:
         gpu_memory_utilization (CUDA: fraction of GPU memory for weights, workspaces and the KV
         cache, default 0.9), cuda_graphs (CUDA: decode steps replay CUDA graphs captured at
         start-up, one per padded batch size; default True, False runs them eagerly; True on the
-        CPU is a ValueError). Unknown keywords raise TypeError.
+        CPU is a ValueError), async_decode (default False: pipelined target-only decoding; each
+        step launches the next before reading its own tokens, so host work between steps overlaps
+        the device; outputs are the same; with a draft model it is a ValueError). Unknown
+        keywords raise TypeError.
     """
 
     def __init__(
@@ -125,6 +129,11 @@ class Session:
             if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
                 raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
             config.gpu_memory_utilization = float(utilization)
+        async_decode = kwargs.pop("async_decode", None)
+        if async_decode is not None:
+            if not isinstance(async_decode, bool):
+                raise ValueError(f"async_decode must be True or False, got {async_decode!r}")
+            config.async_decode = async_decode
         graphs = kwargs.pop("cuda_graphs", None)
         if graphs is not None:
             if not isinstance(graphs, bool):
@@ -360,7 +369,9 @@ class Session:
         steps run as graph replays / eagerly (graphs off, or the CPU); eager_forwards: eager
         ragged forwards (prefills; AR decode rows recording taps). spec_time_s: per-phase times
         of speculative decode steps, measured only when they run eagerly (the phases of a graph
-        are not timed separately); decode_time_s: wall time of all decode steps."""
+        are not timed separately); decode_time_s: wall time of all decode steps; pipelined_steps /
+        dropped_rows (async_decode): steps launched ahead of their predecessor's tokens, and rows
+        of such steps computed for requests that had ended."""
         s = self._core.stats()
         e = s.engine
         return {
@@ -395,4 +406,6 @@ class Session:
             "graph_steps": e.num_graph_steps,
             "eager_steps": e.num_eager_decode_steps,
             "eager_forwards": e.num_eager_forwards,
+            "pipelined_steps": e.num_pipelined_steps,
+            "dropped_rows": e.num_dropped_rows,
         }

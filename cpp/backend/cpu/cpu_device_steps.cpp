@@ -70,6 +70,13 @@ void CpuBackend::accept(const Tensor& drafts, const Tensor& logits, const Tensor
   }
 }
 
+void CpuBackend::feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) {
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    const int32_t f = feed.ptr<int32_t>()[i];
+    if (f >= 0) ids.ptr<int32_t>()[i] = prev.ptr<int32_t>()[f];
+  }
+}
+
 void CpuBackend::assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,
                                  Tensor& drafts, Tensor& verify_ids) {
   const int64_t rows = drafts.dim(0), n = drafts.dim(1);

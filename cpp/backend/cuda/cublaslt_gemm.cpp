@@ -56,10 +56,10 @@ const CublasLtGemm::Plan& CublasLtGemm::plan(int64_t m, int64_t n, int64_t k, bo
 }
 
 void CublasLtGemm::linear(const void* x, const void* w, void* out, int64_t m, int64_t n, int64_t k, bool out_f32,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, bool accumulate) {
   if (m == 0) return;
   const Plan& p = plan(m, n, k, out_f32);
-  const float alpha = 1.0f, beta = 0.0f;
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   DFLASH_CUBLAS_CHECK(api_.matmul(handle_, p.desc, &alpha, w, p.a, x, p.b, &beta, out, p.c, out, p.c, &p.algo,
                                   workspace_, workspace_bytes_, stream));
 }

@@ -20,9 +20,10 @@ class CublasLtGemm {
   CublasLtGemm(const CublasLtGemm&) = delete;
   CublasLtGemm& operator=(const CublasLtGemm&) = delete;
 
-  // x [M, K] bf16, w [N, K] bf16 (row-major), out [M, N] bf16 or fp32.
+  // x [M, K] bf16, w [N, K] bf16 (row-major), out [M, N] bf16 or fp32; with accumulate,
+  // out += x @ w^T (beta = 1, in place).
   void linear(const void* x, const void* w, void* out, int64_t m, int64_t n, int64_t k, bool out_f32,
-              cudaStream_t stream);
+              cudaStream_t stream, bool accumulate = false);
 
  private:
   struct Plan {

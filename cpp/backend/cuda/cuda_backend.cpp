@@ -48,6 +48,8 @@ CudaBackend::GemmMode gemm_mode_from_env() {
 
 CudaBackend::CudaBackend(int device, size_t scratch_bytes) : device_(device), scratch_bytes_(scratch_bytes) {
   gemm_mode_ = gemm_mode_from_env();  // first: it may throw, before anything is allocated
+  const char* fused = std::getenv("DFLASH_FUSED");  // "0": unfused layer ops, for A/B timing
+  fused_layers_ = !(fused != nullptr && std::string(fused) == "0");
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
@@ -61,6 +63,7 @@ CudaBackend::CudaBackend(int device, size_t scratch_bytes) : device_(device), sc
   DFLASH_CHECK(prop.major == 9, "the CUDA backend is built for Hopper (sm_90a); device ", device, " is sm_",
                prop.major, prop.minor);
   DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  for (cudaEvent_t& e : step_events_) DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   DFLASH_CUDA_CHECK(cudaMalloc(&scratch_, scratch_bytes_));
   DFLASH_CUDA_CHECK(cudaMalloc(&gemm_workspace_, gemm_workspace_bytes_));
   DFLASH_CUDA_CHECK(cudaMalloc(&attention_workspace_, attention_workspace_bytes_));
@@ -72,6 +75,9 @@ CudaBackend::~CudaBackend() {
   triton_.reset();
   gemm_.reset();
   if (stream_) cudaStreamSynchronize(stream_);
+  for (cudaEvent_t e : step_events_) {
+    if (e) cudaEventDestroy(e);
+  }
   if (gemm_workspace_) cudaFree(gemm_workspace_);
   if (attention_workspace_) cudaFree(attention_workspace_);
   if (scratch_) cudaFree(scratch_);
@@ -180,13 +186,68 @@ void CudaBackend::add_rms_norm(Tensor& residual, const Tensor& x, const Tensor& 
   DFLASH_CUDA_CHECK(cuda::add_rms_norm(bf(residual), bf(x), bf(w), residual.numel() / h, h, eps, bf(out), stream_));
 }
 
+bool CudaBackend::skinny_for(int64_t m, const Tensor& w) const {
+  const int64_t n = w.dim(0), k = w.dim(1);
+  const bool skinny = gemm_mode_ == GemmMode::kSkinny ||
+                      (gemm_mode_ == GemmMode::kAuto && n * k <= kSkinnyGemmMaxWeight);
+  return skinny && m <= kSkinnyGemmRows;
+}
+
+bool CudaBackend::try_fused(const Tensor& in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion,
+                            Tensor& out) {
+  if (!fused_layers_ || !skinny_for(m, w) || !cuda::skinny_gemm_fused_supports(in.data, w.data, m, w.dim(1), fusion)) return false;
+  check_bf16(in, "fused linear input");
+  check_bf16(out, "fused linear output");
+  DFLASH_CUDA_CHECK(cuda::skinny_gemm_fused(bf(in), bf(w), m, w.dim(0), w.dim(1), fusion, bf(out), stream_));
+  return true;
+}
+
+void CudaBackend::rms_norm_linear(const Tensor& x, const Tensor& norm_w, float eps, const Tensor& w, Tensor& out,
+                                  Tensor& normed) {
+  const int64_t k = w.dim(1), m = x.numel() / k;
+  DFLASH_CHECK(x.numel() == m * k && norm_w.numel() == k && out.numel() == m * w.dim(0),
+               "rms_norm_linear: shape mismatch x ", shape_str(x.shape), " w ", shape_str(w.shape));
+  cuda::SkinnyFusion f;
+  f.input = cuda::SkinnyInput::kRmsNorm;
+  f.gamma = bf(norm_w);
+  f.eps = eps;
+  if (out.dtype == DType::kBF16 && try_fused(x, w, m, f, out)) return;
+  Backend::rms_norm_linear(x, norm_w, eps, w, out, normed);
+}
+
+void CudaBackend::linear_add(const Tensor& x, const Tensor& w, Tensor& residual, Tensor& proj) {
+  const int64_t n = w.dim(0), k = w.dim(1), m = x.numel() / k;
+  DFLASH_CHECK(x.numel() == m * k && residual.numel() == m * n, "linear_add: shape mismatch x ", shape_str(x.shape),
+               " w ", shape_str(w.shape), " residual ", shape_str(residual.shape));
+  check_bf16(residual, "linear_add residual");
+  cuda::SkinnyFusion f;
+  f.add = true;
+  if (try_fused(x, w, m, f, residual)) return;
+  if (!skinny_for(m, w)) {  // cuBLASLt accumulates in place (beta = 1)
+    gemm_->linear(x.data, w.data, residual.data, m, n, k, false, stream_, /*accumulate=*/true);
+    return;
+  }
+  Backend::linear_add(x, w, residual, proj);
+}
+
+void CudaBackend::silu_mul_linear_add(const Tensor& gate_up, const Tensor& w, Tensor& residual, Tensor& act,
+                                      Tensor& proj) {
+  const int64_t n = w.dim(0), k = w.dim(1), m = gate_up.numel() / (2 * k);
+  DFLASH_CHECK(gate_up.numel() == 2 * m * k && residual.numel() == m * n, "silu_mul_linear_add: shape mismatch "
+               "gate_up ", shape_str(gate_up.shape), " w ", shape_str(w.shape), " residual ", shape_str(residual.shape));
+  check_bf16(residual, "silu_mul_linear_add residual");
+  cuda::SkinnyFusion f;
+  f.input = cuda::SkinnyInput::kSiluMul;
+  f.add = true;
+  if (try_fused(gate_up, w, m, f, residual)) return;
+  Backend::silu_mul_linear_add(gate_up, w, residual, act, proj);
+}
+
 void CudaBackend::linear(const Tensor& x, const Tensor& w, Tensor& out) {
   const int64_t n = w.dim(0), k = w.dim(1), m = x.numel() / k;
   DFLASH_CHECK(x.numel() == m * k && out.numel() == m * n, "linear: shape mismatch x ", shape_str(x.shape), " w ",
                shape_str(w.shape), " out ", shape_str(out.shape));
-  const bool skinny = gemm_mode_ == GemmMode::kSkinny ||
-                      (gemm_mode_ == GemmMode::kAuto && n * k <= kSkinnyGemmMaxWeight);
-  if (skinny && m <= kSkinnyGemmRows && cuda::skinny_gemm_supports(x.data, w.data, m, k)) {
+  if (skinny_for(m, w) && cuda::skinny_gemm_supports(x.data, w.data, m, k)) {
     DFLASH_CUDA_CHECK(cuda::skinny_gemm(bf(x), bf(w), m, n, k, out.dtype == DType::kF32, out.data, stream_));
     return;
   }
@@ -314,6 +375,21 @@ void CudaBackend::accept(const Tensor& drafts, const Tensor& logits, const Tenso
   DFLASH_CUDA_CHECK(cuda::accept_drafts(drafts.ptr<int32_t>(), logits.ptr<float>(), rows, n, logits.dim(-1),
                                         static_cast<const cuda::SampleParams*>(params.data),
                                         num_accepted.ptr<int32_t>(), next_token.ptr<int32_t>(), stream_));
+}
+
+void CudaBackend::feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) {
+  DFLASH_CUDA_CHECK(cuda::feed_tokens(ids.ptr<int32_t>(), feed.ptr<int32_t>(), prev.ptr<int32_t>(), ids.numel(),
+                                      stream_));
+}
+
+void CudaBackend::record_step(int slot) {
+  DFLASH_CHECK(slot == 0 || slot == 1, "record_step: slot ", slot);
+  DFLASH_CUDA_CHECK(cudaEventRecord(step_events_[slot], stream_));
+}
+
+void CudaBackend::wait_step(int slot) {
+  DFLASH_CHECK(slot == 0 || slot == 1, "wait_step: slot ", slot);
+  DFLASH_CUDA_CHECK(cudaEventSynchronize(step_events_[slot]));
 }
 
 void CudaBackend::assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,

@@ -12,6 +12,10 @@
 #include "backend/backend.h"
 #include "backend/cuda/cublaslt_gemm.h"
 
+namespace dflash::cuda {
+struct SkinnyFusion;
+}
+
 namespace dflash {
 
 namespace triton_aot {
@@ -49,6 +53,11 @@ class CudaBackend final : public Backend {
   void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) override;
   void add_rms_norm(Tensor& residual, const Tensor& x, const Tensor& w, float eps, Tensor& out) override;
   void linear(const Tensor& x, const Tensor& w, Tensor& out) override;
+  void rms_norm_linear(const Tensor& x, const Tensor& norm_w, float eps, const Tensor& w, Tensor& out,
+                       Tensor& normed) override;
+  void linear_add(const Tensor& x, const Tensor& w, Tensor& residual, Tensor& proj) override;
+  void silu_mul_linear_add(const Tensor& gate_up, const Tensor& w, Tensor& residual, Tensor& act,
+                           Tensor& proj) override;
   void silu_mul(const Tensor& gate_up, Tensor& out) override;
   void add(const Tensor& a, const Tensor& b, Tensor& out) override;
   void qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, float eps,
@@ -68,6 +77,9 @@ class CudaBackend final : public Backend {
   void sample_rows(const Tensor& logits, const Tensor& params, Tensor& tokens) override;
   void accept(const Tensor& drafts, const Tensor& logits, const Tensor& params, Tensor& num_accepted,
               Tensor& next_token) override;
+  void feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) override;
+  void record_step(int slot) override;
+  void wait_step(int slot) override;
   void assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,
                        Tensor& drafts, Tensor& verify_ids) override;
   void kv_norm_rope_write_layers(const Tensor& kv, const Tensor& k_norm, float eps, const Tensor& positions,
@@ -83,9 +95,14 @@ class CudaBackend final : public Backend {
 
  private:
   Tensor persistent(const std::vector<int64_t>& shape, DType dtype);
+  // Whether linear() would run the skinny kernel for m rows of w [N, K].
+  bool skinny_for(int64_t m, const Tensor& w) const;
+  // The fused skinny kernel when skinny_for() and the kernel supports the shape; false: not run.
+  bool try_fused(const Tensor& in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion, Tensor& out);
 
   int device_;
   cudaStream_t stream_ = nullptr;
+  cudaEvent_t step_events_[2] = {nullptr, nullptr};  // record_step / wait_step
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   size_t scratch_used_ = 0;
@@ -96,10 +113,13 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CublasLtGemm> gemm_;
   // linear() runs the skinny GEMM kernel (cuda/skinny_gemm.cu) for x of up to kSkinnyGemmRows
   // rows and (kAuto) weights of at most kSkinnyGemmMaxWeight elements, cuBLASLt otherwise
-  // (DFLASH_GEMM, read at construction: auto, cublaslt, skinny).
+  // (DFLASH_GEMM, read at construction: auto, cublaslt, skinny). Where it runs the skinny kernel,
+  // the fused layer ops run its fused variants (norm / activation staged in the kernel, residual
+  // add in its epilogue); elsewhere they compose the unfused ops (cuBLASLt adds in place).
   static constexpr int64_t kSkinnyGemmRows = 16;
   static constexpr int64_t kSkinnyGemmMaxWeight = int64_t{4096} * 4096;
   GemmMode gemm_mode_ = GemmMode::kAuto;
+  bool fused_layers_ = true;  // DFLASH_FUSED=0: the layer ops compose the unfused kernels
   std::unique_ptr<triton_aot::Modules> triton_;
 };
 
