@@ -1,11 +1,17 @@
 #!/usr/bin/env python3
 """Paged attention at small batch (the latency-bound case of decode and verify steps), on the
-GPU: Qwen3-8B geometry (32 query / 8 KV heads, head_dim 128, block 16), batch 1/4/16, query
-length 1 (AR) and 16 (verify), context 512/4096, for each forced split count of the split-KV
-path, and the plan's own choice (splits 0) with max_kv_len as a captured graph sees it
-(max_model_len 4096 + 16) or exact.
+GPU: Qwen3-8B geometry (32 query / 8 KV heads, head_dim 128, block 16), batch 1/4/16/64, query
+length 1 (AR) and 16 (verify), context 512/4096, side by side in one run:
+  triton  the AOT Triton kernels (decode + split reduce), the plan's own split count (splits 0)
+          and forced ones;
+  cuda    the CUDA decode kernel (cuda/decode_attention.cu; one launch, the last CTA combines the
+          splits), query length 1 only (it takes <= 16 rows per KV head), its own split count and
+          one split.
+The automatic split counts are taken with max_kv_len as a captured graph sees it (max_model_len
+4096 + 16) and exact.
 Kernel durations come from CUPTI (torch.profiler), so launch latency is excluded: mean
-microseconds per call of the decode kernel and of the split reduce, and K/V bytes read / time.
+microseconds per call summed over the call's kernels (launches per call given: in a CUDA graph
+each costs about a microsecond more), and K/V bytes read / time.
 
 Usage (GPU machine, dflash installed): python bench/bench_gpu_attention_small.py --out DIR
 Writes DIR/gpu_h200_attention_small.json.
@@ -23,7 +29,7 @@ from gpu_common import cuda_kernel_totals, run_record, write_json  # noqa: E402
 NH, NKV, HD, BS = 32, 8, 128, 16
 
 
-def case(testing, torch, batch, qlen, ctx, splits, max_kv_len, reps):
+def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps):
     blocks_per_seq = (ctx + BS - 1) // BS
     nblocks = batch * blocks_per_seq
     kp = torch.randn(nblocks, BS, NKV, HD, device="cuda", dtype=torch.bfloat16)
@@ -34,19 +40,35 @@ def case(testing, torch, batch, qlen, ctx, splits, max_kv_len, reps):
     qs = torch.arange(0, t + 1, qlen, device="cuda", dtype=torch.int32)
     kl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     bt = torch.randperm(nblocks, device="cuda", dtype=torch.int32).reshape(batch, blocks_per_seq)
-    need = testing.triton_paged_attention_workspace_bytes(t, NH, HD, max(splits, 16))
-    ws = torch.empty(max(need, 64 << 20), device="cuda", dtype=torch.uint8)
-    args = (q, kp, vp, o, qs, kl, bt, True, 0, qlen, max_kv_len, ws, 2, splits)
-    testing.triton_paged_attention(*args)
+    # the CUDA backend's workspace size, or what a forced split count needs
+    need = testing.triton_paged_attention_workspace_bytes(t, NH, HD, max(splits, 1))
+    ws = torch.empty(max(64 << 20, need), device="cuda", dtype=torch.uint8)
+    stream = torch.cuda.current_stream().cuda_stream
+    if impl == "triton":
+        def call():
+            return testing.triton_paged_attention(q, kp, vp, o, qs, kl, bt, True, 0, qlen, max_kv_len, ws, 2, splits,
+                                                  stream)[1]
+    else:
+        counters = torch.zeros(batch * NKV, device="cuda", dtype=torch.int32)
+
+        def call():
+            return testing.cuda_decode_attention(q, kp, vp, o, qs, kl, bt, True, 0, qlen, max_kv_len, workspace=ws,
+                                                 counters=counters, force_splits=splits, stream=stream)
+    launched_splits = call()
+    torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(reps):
-            testing.triton_paged_attention(*args)
-    per = {name: us / reps for name, (us, _) in cuda_kernel_totals(prof).items()}
+            call()
+        torch.cuda.synchronize()
+    totals = cuda_kernel_totals(prof)
+    per = {name: us / reps for name, (us, _) in totals.items()}
     total = sum(per.values())
     kv_bytes = 2 * batch * ctx * NKV * HD * 2
-    return {"batch": batch, "query_len": qlen, "context": ctx, "force_splits": splits, "max_kv_len": max_kv_len,
-            "us_per_call": round(total, 2), "kernels_us": {k[:60]: round(v, 2) for k, v in per.items()},
+    return {"impl": impl, "batch": batch, "query_len": qlen, "context": ctx, "force_splits": splits,
+            "max_kv_len": max_kv_len, "splits": launched_splits, "us_per_call": round(total, 2),
+            "launches_per_call": sum(n for _, n in totals.values()) / reps,
+            "kernels_us": {k[:60]: round(v, 2) for k, v in per.items()},
             "kv_gbs": round(kv_bytes / (total * 1e-6) / 1e9, 1) if total else None}
 
 
@@ -62,15 +84,18 @@ def main():
     res["geometry"] = {"num_heads": NH, "num_kv_heads": NKV, "head_dim": HD, "block_size": BS}
     res["cases"] = []
     out = Path(args.out) / "gpu_h200_attention_small.json"
-    for batch in (1, 4, 16):
+    for batch in (1, 4, 16, 64):
         for qlen in (1, 16):
             for ctx in (512, 4096):
-                for splits in (0, 1, 2, 4, 8, 16):  # 0: the plan's own choice from max_kv_len
-                    for max_kv in ((ctx, 4096 + 16) if splits == 0 else (ctx,)):
-                        r = case(testing, torch, batch, qlen, ctx, splits, max_kv, args.reps)
-                        res["cases"].append(r)
-                        print(f"b={batch} q={qlen} ctx={ctx} splits={splits} max_kv={max_kv}: "
-                              f"{r['us_per_call']} us ({r['kv_gbs']} GB/s)", flush=True)
+                for impl in ("triton", "cuda") if qlen == 1 else ("triton",):
+                    forced = (1, 8) if impl == "cuda" else (1, 4, 8, 16)
+                    for splits in (0,) + forced:  # 0: the implementation's own choice from max_kv_len
+                        for max_kv in ((ctx, 4096 + 16) if splits == 0 else (ctx,)):
+                            r = case(testing, torch, impl, batch, qlen, ctx, splits, max_kv, args.reps)
+                            res["cases"].append(r)
+                            print(f"{impl} b={batch} q={qlen} ctx={ctx} splits={splits}->{r['splits']} "
+                                  f"max_kv={max_kv}: {r['us_per_call']} us, {r['launches_per_call']} launches "
+                                  f"({r['kv_gbs']} GB/s)", flush=True)
                 write_json(out, res)
     write_json(out, res)
     print(f"wrote {out}")

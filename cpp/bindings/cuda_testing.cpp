@@ -401,6 +401,58 @@ void cuda_cublaslt_gemm(const Any& x, const Any& w, const Any& out, std::optiona
   launched("cublaslt_gemm", cudaGetLastError(), stream);
 }
 
+// The CUDA decode attention (cuda/decode_attention.cu) with the argument names of
+// triton_paged_attention; workspace (any dtype) and counters (int32 [>= num_seqs * nkv], zero)
+// enable split-KV. stream: launch there and return; None: default stream, synchronised.
+// Returns the split count launched.
+int cuda_decode_attention(const Any& q, const Any& k_pool, const Any& v_pool, const Any& out, const I32& query_start,
+                          const I32& kv_len, const I32& block_table, bool causal, int32_t window,
+                          int32_t max_query_len, int32_t max_kv_len, std::optional<Any> workspace,
+                          std::optional<I32> counters, int32_t force_splits, std::optional<uintptr_t> stream) {
+  DFLASH_ARG_CHECK(q.ndim() == 3 && out.ndim() == 3 && k_pool.ndim() == 4 && v_pool.ndim() == 4 &&
+                       block_table.ndim() == 2 && query_start.size() == kv_len.size() + 1 &&
+                       block_table.shape(0) == kv_len.size(),
+                   "decode_attention: q/out [T, nh, hd], pools [blocks, block_size, nkv, hd], query_start "
+                   "[S + 1], kv_len [S], block_table [S, max_blocks]");
+  use_device(q.device_id());
+  cuda::DecodeAttentionArgs a;
+  a.q = bf16_ptr(q, "q");
+  a.k_pool = bf16_ptr(k_pool, "k_pool");
+  a.v_pool = bf16_ptr(v_pool, "v_pool");
+  a.out = bf16_ptr(out, "out");
+  a.query_start = query_start.data();
+  a.kv_len = kv_len.data();
+  a.block_table = block_table.data();
+  a.num_seqs = static_cast<int32_t>(kv_len.size());
+  a.num_tokens = static_cast<int32_t>(q.shape(0));
+  a.num_heads = static_cast<int32_t>(q.shape(1));
+  a.head_dim = static_cast<int32_t>(q.shape(2));
+  a.num_kv_heads = static_cast<int32_t>(k_pool.shape(2));
+  a.block_size = static_cast<int32_t>(k_pool.shape(1));
+  a.max_blocks_per_seq = static_cast<int32_t>(block_table.shape(1));
+  a.max_query_len = max_query_len;
+  a.max_kv_len = max_kv_len;
+  a.causal = causal;
+  a.window = window;
+  if (workspace) {
+    a.workspace = workspace->data();
+    a.workspace_bytes = workspace->nbytes();
+  }
+  if (counters) {
+    a.counters = counters->data();
+    a.counter_slots = static_cast<int64_t>(counters->size());
+  }
+  a.force_splits = force_splits;
+  const char* why = cuda::decode_attention_check(a);
+  DFLASH_ARG_CHECK(why == nullptr, "decode_attention: ", why ? why : "");
+  DFLASH_ARG_CHECK(force_splits >= 0 && force_splits <= cuda::decode_attention_max_splits(),
+                   "decode_attention: force_splits out of range");
+  const int splits = cuda::decode_attention_splits(a);
+  launched("decode_attention", cuda::decode_attention(a, stream ? reinterpret_cast<cudaStream_t>(*stream) : nullptr),
+           stream);
+  return splits;
+}
+
 }  // namespace
 }  // namespace dflash
 
@@ -417,6 +469,15 @@ void bind_cuda_testing(nb::module_& m) {
         "eps"_a, "positions"_a, "inv_freq"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a,
         "q"_a.none(), "k"_a, "v"_a);
   m.def("cuda_kv_write", &cuda_kv_write, "k"_a, "v"_a, "slots"_a, "k_pool"_a, "v_pool"_a);
+  m.def("cuda_decode_attention", &cuda_decode_attention, "q"_a, "k_pool"_a, "v_pool"_a, "out"_a, "query_start"_a,
+        "kv_len"_a, "block_table"_a, "causal"_a, "window"_a, "max_query_len"_a, "max_kv_len"_a,
+        "workspace"_a = nb::none(), "counters"_a = nb::none(), "force_splits"_a = 0, "stream"_a = nb::none());
+  m.def("cuda_decode_attention_workspace_bytes",
+        [](int64_t num_tokens, int64_t num_heads, int64_t head_dim, int splits) {
+          return cuda::decode_attention_workspace_bytes(num_tokens, num_heads, head_dim, splits);
+        },
+        "num_tokens"_a, "num_heads"_a, "head_dim"_a, "splits"_a);
+  m.def("cuda_decode_attention_max_splits", &cuda::decode_attention_max_splits);
   m.def("cuda_kv_norm_rope_write", &cuda_kv_norm_rope_write, "kv"_a, "k_norm"_a.none(), "eps"_a,
         "positions"_a, "inv_freq"_a, "slots"_a, "num_kv_heads"_a, "head_dim"_a, "k_pool"_a,
         "v_pool"_a);

@@ -50,6 +50,11 @@ CudaBackend::CudaBackend(int device, size_t scratch_bytes) : device_(device), sc
   gemm_mode_ = gemm_mode_from_env();  // first: it may throw, before anything is allocated
   const char* fused = std::getenv("DFLASH_FUSED");  // "0": unfused layer ops, for A/B timing
   fused_layers_ = !(fused != nullptr && std::string(fused) == "0");
+  const char* attention = std::getenv("DFLASH_ATTENTION");
+  const std::string attention_mode = attention ? attention : "";
+  DFLASH_ARG_CHECK(attention_mode.empty() || attention_mode == "auto" || attention_mode == "triton",
+                   "DFLASH_ATTENTION=", attention_mode, " is not one of auto, triton");
+  cuda_decode_attention_ = attention_mode != "triton";
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
@@ -67,6 +72,8 @@ CudaBackend::CudaBackend(int device, size_t scratch_bytes) : device_(device), sc
   DFLASH_CUDA_CHECK(cudaMalloc(&scratch_, scratch_bytes_));
   DFLASH_CUDA_CHECK(cudaMalloc(&gemm_workspace_, gemm_workspace_bytes_));
   DFLASH_CUDA_CHECK(cudaMalloc(&attention_workspace_, attention_workspace_bytes_));
+  DFLASH_CUDA_CHECK(cudaMalloc(&attention_counters_, kAttentionCounterSlots * sizeof(int32_t)));
+  DFLASH_CUDA_CHECK(cudaMemset(attention_counters_, 0, kAttentionCounterSlots * sizeof(int32_t)));
   gemm_ = std::make_unique<CublasLtGemm>(gemm_workspace_, gemm_workspace_bytes_);
   triton_ = std::make_unique<triton_aot::Modules>();  // every Triton module, loaded once
 }
@@ -80,6 +87,7 @@ CudaBackend::~CudaBackend() {
   }
   if (gemm_workspace_) cudaFree(gemm_workspace_);
   if (attention_workspace_) cudaFree(attention_workspace_);
+  if (attention_counters_) cudaFree(attention_counters_);
   if (scratch_) cudaFree(scratch_);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -295,6 +303,37 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
                                   Tensor& out) {
   const int64_t row = pool.num_kv_heads * pool.head_dim;
   const int64_t layer_elems = pool.num_blocks * pool.block_size * row;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(pool.head_dim));
+  if (cuda_decode_attention_) {  // few rows per (sequence, KV head): the CUDA decode kernel
+    cuda::DecodeAttentionArgs d;
+    d.q = q.data;
+    d.k_pool = bf(pool.k) + layer * layer_elems;
+    d.v_pool = bf(pool.v) + layer * layer_elems;
+    d.out = out.data;
+    d.query_start = i32(meta.query_start);
+    d.kv_len = i32(meta.kv_len);
+    d.block_table = i32(meta.block_table);
+    d.num_seqs = meta.num_seqs;
+    d.num_tokens = static_cast<int32_t>(q.dim(0));
+    d.num_heads = static_cast<int32_t>(q.dim(1));
+    d.num_kv_heads = static_cast<int32_t>(pool.num_kv_heads);
+    d.head_dim = static_cast<int32_t>(pool.head_dim);
+    d.block_size = static_cast<int32_t>(pool.block_size);
+    d.max_blocks_per_seq = meta.max_blocks_per_seq;
+    d.max_query_len = meta.max_query_len;
+    d.max_kv_len = meta.max_kv_len;
+    d.causal = meta.causal;
+    d.window = static_cast<int32_t>(meta.window);
+    d.scale = scale;
+    d.workspace = attention_workspace_;
+    d.workspace_bytes = attention_workspace_bytes_;
+    d.counters = attention_counters_;
+    d.counter_slots = kAttentionCounterSlots;
+    if (cuda::decode_attention_check(d) == nullptr) {
+      DFLASH_CUDA_CHECK(cuda::decode_attention(d, stream_));
+      return;
+    }
+  }
   triton_aot::PagedAttentionArgs a{};
   a.q = q.data;
   a.k_pool = bf(pool.k) + layer * layer_elems;
@@ -314,9 +353,9 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
   a.max_kv_len = meta.max_kv_len;
   a.causal = meta.causal;
   a.window = static_cast<int32_t>(meta.window);
-  a.scale = 1.0f / std::sqrt(static_cast<float>(pool.head_dim));
+  a.scale = scale;
   // Split-KV: one persistent workspace, reused by every call (the calls run in order on one
-  // stream); the split count follows max_kv_len (>= 256 keys per split) and what fits in it.
+  // stream); the split count follows max_kv_len and what fits in it.
   a.workspace = attention_workspace_;
   a.workspace_bytes = attention_workspace_bytes_;
   CUresult r = triton_aot::paged_attention(*triton_, stream_, a);

@@ -38,7 +38,7 @@ class CudaBackend final : public Backend {
   void begin_step() override { scratch_used_ = 0; }
   bool device_memory(size_t* free_bytes, size_t* total_bytes) const override;
   size_t workspace_bytes() const override {
-    return scratch_bytes_ + gemm_workspace_bytes_ + attention_workspace_bytes_;
+    return scratch_bytes_ + gemm_workspace_bytes_ + attention_workspace_bytes_ + kAttentionCounterSlots * sizeof(int32_t);
   }
 
   Tensor empty(const std::vector<int64_t>& shape, DType dtype) override;
@@ -108,6 +108,13 @@ class CudaBackend final : public Backend {
   size_t scratch_used_ = 0;
   void* attention_workspace_ = nullptr;  // split-KV partials, reused by every attention call
   size_t attention_workspace_bytes_ = 64u << 20;
+  // The CUDA decode attention's split counters (one per sequence x KV head, zero between calls).
+  int32_t* attention_counters_ = nullptr;
+  static constexpr int64_t kAttentionCounterSlots = 1 << 16;
+  // Attention launches of at most kDecodeAttentionMaxRows rows per (sequence, KV head) run the
+  // CUDA decode kernel (cuda/decode_attention.cu), the rest the Triton kernels; DFLASH_ATTENTION=
+  // triton (read at construction) sends every launch to Triton, for A/B timing.
+  bool cuda_decode_attention_ = true;
   void* gemm_workspace_ = nullptr;
   size_t gemm_workspace_bytes_ = 32u << 20;
   std::unique_ptr<CublasLtGemm> gemm_;

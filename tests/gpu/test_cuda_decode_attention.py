@@ -1,0 +1,135 @@
+# tests/gpu/test_cuda_decode_attention.py
+#
+# The CUDA decode attention (cuda/decode_attention.cu through
+# dflash._core.testing.cuda_decode_attention) against the torch reference of
+# test_triton_attention.py (same ragged batches over a scattered paged cache whose unused slots
+# are NaN, same masks, same tolerances): one query per sequence (AR decode) and as many as fit in
+# 16 rows per KV head; GQA 32/8, 4/4, 9/3; head_dim 64 and 128; one split, the automatic split
+# count and forced ones (the last CTA combines the partials, its counters return to zero), long
+# contexts, replay inside a CUDA graph, determinism, and the arguments it refuses.
+from __future__ import annotations
+
+import pytest
+
+from .test_triton_attention import _SKIP_REASON, BATCH_KV, HEADS, MODES, Batch, assert_matches
+
+pytestmark = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+
+
+def _testing():
+    from dflash._core import testing
+
+    return testing
+
+
+def rows_fit(nh, nkv, kind, kv_len):
+    """Queries per sequence: 1 (decode) or as many as fit in 16 rows of a KV head (multi)."""
+    return 1 if kind == "decode" else max(1, min(16 // (nh // nkv), kv_len))
+
+
+def run(b, causal, window, *, splits="none", force_splits=0, counters=None):
+    """Runs the kernel on batch b; splits: "none" (no workspace), or "auto"/"forced" with one."""
+    import torch
+
+    t = _testing()
+    out = torch.full_like(b.q_dev, float("nan"))
+    ws = None
+    if splits != "none":
+        n = max(force_splits, t.cuda_decode_attention_max_splits())
+        ws = torch.empty(t.cuda_decode_attention_workspace_bytes(b.q.shape[0], b.nh, b.hd, n), dtype=torch.uint8,
+                         device="cuda")
+        if counters is None:
+            counters = torch.zeros(len(b.kv_lens) * b.nkv, dtype=torch.int32, device="cuda")
+    launched = t.cuda_decode_attention(b.q_dev, b.k_pool, b.v_pool, out, b.query_start, b.kv_len, b.table, causal,
+                                       window, max(b.q_lens), max(b.kv_lens), workspace=ws, counters=counters,
+                                       force_splits=force_splits)
+    if counters is not None:
+        assert int(counters.abs().sum()) == 0, "the split counters must return to zero"
+    return out.float().cpu(), launched
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["decode", "multi"])
+@pytest.mark.parametrize("batch", list(BATCH_KV))
+@pytest.mark.parametrize("nh,nkv,hd", HEADS)
+def test_matches_reference(nh, nkv, hd, batch, kind, mode):
+    causal, window = MODES[mode]
+    kv_lens = BATCH_KV[batch]
+    b = Batch(kv_lens, [rows_fit(nh, nkv, kind, n) for n in kv_lens], nh, nkv, hd, seed=batch * 1000 + nh + hd)
+    ref = b.reference(causal, window)
+    out, splits = run(b, causal, window)
+    assert splits == 1
+    assert_matches(out, ref, "one split")
+    out, splits = run(b, causal, window, splits="auto")
+    assert splits >= 1
+    assert_matches(out, ref, f"auto ({splits} splits)")
+    for forced in (3, 32):
+        out, splits = run(b, causal, window, splits="forced", force_splits=forced)
+        assert splits == forced
+        assert_matches(out, ref, f"{forced} splits")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (9, 3, 64)])
+def test_long_context(nh, nkv, hd, mode):
+    causal, window = MODES[mode]
+    kv_lens = [8192, 5000, 3]
+    b = Batch(kv_lens, [1, 1, 1], nh, nkv, hd, seed=7)
+    ref = b.reference(causal, window)
+    out, splits = run(b, causal, window, splits="auto")
+    assert splits > 1
+    assert_matches(out, ref, f"long context, {splits} splits")
+
+
+def test_deterministic_and_graph_replay():
+    """Bit-identical across runs, and inside a CUDA graph replayed twice (the counters reset)."""
+    import torch
+
+    t = _testing()
+    b = Batch([1000, 300], [1, 1], 32, 8, 128, seed=3)
+    ref = b.reference(True, 0)
+    first, splits = run(b, True, 0, splits="auto")
+    assert splits > 1
+    again, _ = run(b, True, 0, splits="auto")
+    assert torch.equal(first, again)
+    ws = torch.empty(t.cuda_decode_attention_workspace_bytes(b.q.shape[0], 32, 128, splits), dtype=torch.uint8,
+                     device="cuda")
+    counters = torch.zeros(2 * 8, dtype=torch.int32, device="cuda")
+    out = torch.full_like(b.q_dev, float("nan"))
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        t.cuda_decode_attention(b.q_dev, b.k_pool, b.v_pool, out, b.query_start, b.kv_len, b.table, True, 0, 1,
+                                1000, workspace=ws, counters=counters, stream=stream.cuda_stream)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.float().cpu(), first)
+        assert int(counters.abs().sum()) == 0
+    assert_matches(first, ref, "graph replay")
+
+
+def test_short_sequences_and_empty_ones():
+    """kv_len 1 .. 70 around the 64-key pass, and a sequence without queries (left untouched)."""
+    b = Batch([1, 2, 63, 64, 65, 70, 5], [1, 1, 1, 1, 1, 1, 0], 32, 8, 128, seed=11)
+    ref = b.reference(True, 0)
+    out, _ = run(b, True, 0, splits="forced", force_splits=4)
+    assert_matches(out, ref, "short sequences")
+
+
+def test_rejects_unsupported_arguments():
+    import torch
+
+    t = _testing()
+    b = Batch([100], [5], 32, 8, 128)  # 5 queries x group 4 = 20 rows > 16
+    out = torch.empty_like(b.q_dev)
+    with pytest.raises(ValueError, match="max_query_len"):
+        t.cuda_decode_attention(b.q_dev, b.k_pool, b.v_pool, out, b.query_start, b.kv_len, b.table, True, 0, 5, 100)
+    b96 = Batch([100], [1], 4, 4, 96)
+    with pytest.raises(ValueError, match="head_dim"):
+        t.cuda_decode_attention(b96.q_dev, b96.k_pool, b96.v_pool, torch.empty_like(b96.q_dev), b96.query_start,
+                                b96.kv_len, b96.table, True, 0, 1, 100)
+    with pytest.raises(ValueError, match="force_splits"):
+        t.cuda_decode_attention(b.q_dev, b.k_pool, b.v_pool, out, b.query_start, b.kv_len, b.table, True, 0, 1, 100,
+                                force_splits=33)
