@@ -129,6 +129,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   __shared__ float m_s[RB], l_s[RB], alpha_s[RB];
   __shared__ __align__(16) float red_s[4][RB][HD];
   __shared__ int last_s;
+  static_assert((2 * kMaxSplits + 1) * RB <= 4 * RB * HD, "the combine's weights fit in red_s");
 
   detail::pdl_begin();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -297,7 +298,9 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   }
   if (active == 1) return;
 
-  // The last split of this (sequence, KV head) to finish combines the partials.
+  // The last split of this (sequence, KV head) to finish combines the partials: first every
+  // split's (m, l) per row, loaded by one thread each, into weights; then each element sums the
+  // splits' accumulators in split order, loads issued in groups (not one latency per split).
   __threadfence();
   __syncthreads();
   int32_t* counter = p.counters + static_cast<int64_t>(seq) * p.num_kv_heads + kv_head;
@@ -305,22 +308,41 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   __syncthreads();
   if (!last_s) return;
   __threadfence();
+  // In red_s (free now): [kMaxSplits][RB] m, then weights; [kMaxSplits][RB] l; [RB] 1 / denominators.
+  float* w_s = &red_s[0][0][0];
+  float* lsum_s = w_s + kMaxSplits * RB;
+  float* inv_den_s = lsum_s + kMaxSplits * RB;
+  const int64_t stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
+  auto base_of = [&](int r) {
+    return static_cast<int64_t>(q_begin + r / group) * p.num_heads + kv_head * group + r % group;
+  };
+  __syncthreads();  // every thread is done reading red_s
+  for (int i = tid; i < active * rows; i += kThreads) {
+    const int s = i / rows, r = i % rows;
+    w_s[s * RB + r] = __ldcg(ws_ml + (s * stride + base_of(r)) * 2);
+    lsum_s[s * RB + r] = __ldcg(ws_ml + (s * stride + base_of(r)) * 2 + 1);
+  }
+  __syncthreads();
+  if (tid < rows) {
+    float m_max = -INFINITY;
+    for (int s = 0; s < active; ++s) m_max = fmaxf(m_max, w_s[s * RB + tid]);
+    const float m_ref = m_max == -INFINITY ? 0.0f : m_max;
+    float den = 0.0f;
+    for (int s = 0; s < active; ++s) {
+      const float w = exp2f(w_s[s * RB + tid] - m_ref);
+      w_s[s * RB + tid] = w;
+      den += w * lsum_s[s * RB + tid];
+    }
+    inv_den_s[tid] = 1.0f / (den == 0.0f ? 1.0f : den);
+  }
+  __syncthreads();
   for (int i = tid; i < rows * HD; i += kThreads) {
     const int r = i / HD, d = i % HD;
-    const int tok = q_begin + r / group, head = kv_head * group + r % group;
-    const int64_t base = static_cast<int64_t>(tok) * p.num_heads + head;
-    const int64_t stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
-    float m_max = -INFINITY;
-    for (int s = 0; s < active; ++s) m_max = fmaxf(m_max, __ldcg(ws_ml + (s * stride + base) * 2));
-    const float m_ref = m_max == -INFINITY ? 0.0f : m_max;
-    float num = 0.0f, den = 0.0f;
-    for (int s = 0; s < active; ++s) {
-      const int64_t part = s * stride + base;
-      const float w = exp2f(__ldcg(ws_ml + part * 2) - m_ref);
-      den += w * __ldcg(ws_ml + part * 2 + 1);
-      num += w * __ldcg(ws_acc + part * HD + d);
-    }
-    p.out[base * HD + d] = __float2bfloat16_rn(num / (den == 0.0f ? 1.0f : den));
+    const int64_t base = base_of(r);
+    float num = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < active; ++s) num += w_s[s * RB + r] * __ldcg(ws_acc + (s * stride + base) * HD + d);
+    p.out[base * HD + d] = __float2bfloat16_rn(num * inv_den_s[r]);
   }
   if (tid == 0) *counter = 0;  // ready for the next launch (stream-ordered)
 }

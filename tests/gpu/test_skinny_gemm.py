@@ -92,6 +92,7 @@ def test_skinny_gemm_on_a_stream_and_large_n():
     x, w = bf16(3, 4096, seed=1), bf16(151936, 4096, seed=2)
     out = torch.empty(3, 151936, device=DEV, dtype=torch.float32)
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # x and w are written on the current stream
     with torch.cuda.stream(s):
         _ops().cuda_skinny_gemm(x, w, out, stream=s.cuda_stream)
     s.synchronize()

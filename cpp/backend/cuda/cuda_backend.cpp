@@ -304,7 +304,8 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
   const int64_t row = pool.num_kv_heads * pool.head_dim;
   const int64_t layer_elems = pool.num_blocks * pool.block_size * row;
   const float scale = 1.0f / std::sqrt(static_cast<float>(pool.head_dim));
-  if (cuda_decode_attention_) {  // few rows per (sequence, KV head): the CUDA decode kernel
+  if (cuda_decode_attention_ && int64_t{meta.num_seqs} * pool.num_kv_heads <= kCudaDecodeMaxPairs) {
+    // few rows per (sequence, KV head), few pairs: the CUDA decode kernel
     cuda::DecodeAttentionArgs d;
     d.q = q.data;
     d.k_pool = bf(pool.k) + layer * layer_elems;

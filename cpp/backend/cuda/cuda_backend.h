@@ -111,10 +111,14 @@ class CudaBackend final : public Backend {
   // The CUDA decode attention's split counters (one per sequence x KV head, zero between calls).
   int32_t* attention_counters_ = nullptr;
   static constexpr int64_t kAttentionCounterSlots = 1 << 16;
-  // Attention launches of at most kDecodeAttentionMaxRows rows per (sequence, KV head) run the
-  // CUDA decode kernel (cuda/decode_attention.cu), the rest the Triton kernels; DFLASH_ATTENTION=
-  // triton (read at construction) sends every launch to Triton, for A/B timing.
+  // Attention launches of at most kDecodeAttentionMaxRows rows per (sequence, KV head) and at most
+  // kCudaDecodeMaxPairs (sequence, KV head) pairs run the CUDA decode kernel (cuda/
+  // decode_attention.cu), the rest the Triton kernels: the CUDA kernel wins where the launch is
+  // latency-bound (a handful of CTAs before split-KV: small-batch AR steps), Triton keeps the
+  // large batches, where it streams the cache faster (bench/results/gpu_h200_attention_small.json).
+  // DFLASH_ATTENTION=triton (read at construction) sends every launch to Triton, for A/B timing.
   bool cuda_decode_attention_ = true;
+  static constexpr int64_t kCudaDecodeMaxPairs = 64;
   void* gemm_workspace_ = nullptr;
   size_t gemm_workspace_bytes_ = 32u << 20;
   std::unique_ptr<CublasLtGemm> gemm_;
