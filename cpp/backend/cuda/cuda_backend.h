@@ -113,12 +113,13 @@ class CudaBackend final : public Backend {
   static constexpr int64_t kAttentionCounterSlots = 1 << 16;
   // Attention launches of at most kDecodeAttentionMaxRows rows per (sequence, KV head) and at most
   // kCudaDecodeMaxPairs (sequence, KV head) pairs run the CUDA decode kernel (cuda/
-  // decode_attention.cu), the rest the Triton kernels: the CUDA kernel wins where the launch is
-  // latency-bound (a handful of CTAs before split-KV: small-batch AR steps), Triton keeps the
-  // large batches, where it streams the cache faster (bench/results/gpu_h200_attention_small.json).
-  // DFLASH_ATTENTION=triton (read at construction) sends every launch to Triton, for A/B timing.
+  // decode_attention.cu), the rest the Triton kernels. Measured on the H200 (Qwen3-8B geometry, AR
+  // step in CUDA graphs; bench/results/gpu_h200_decode_attention_routing.json): batch 1 context 512
+  // 5.12 -> 4.83 ms, batch 1 context 4096 5.32 -> 5.45 ms (its split CTAs take 2 passes there),
+  // batch 4 context 512 5.14 -> 5.19 ms, batch 4 context 4096 5.80 -> 6.87 ms: so batch <= 2 of 8
+  // KV heads. DFLASH_ATTENTION=triton (read at construction) sends every launch to Triton.
   bool cuda_decode_attention_ = true;
-  static constexpr int64_t kCudaDecodeMaxPairs = 64;
+  static constexpr int64_t kCudaDecodeMaxPairs = 16;
   void* gemm_workspace_ = nullptr;
   size_t gemm_workspace_bytes_ = 32u << 20;
   std::unique_ptr<CublasLtGemm> gemm_;
