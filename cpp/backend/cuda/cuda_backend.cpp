@@ -28,6 +28,36 @@ void check_bf16(const Tensor& t, const char* what) {
   DFLASH_CHECK(t.dtype == DType::kBF16 && t.device == DeviceKind::kCUDA, what, ": expected a bf16 CUDA tensor");
 }
 
+// The Triton launch's arguments as the CUDA decode kernel's (the same fields and meanings), with
+// its split counters.
+cuda::DecodeAttentionArgs as_decode_args(const triton_aot::PagedAttentionArgs& a, int32_t* counters, int64_t slots) {
+  cuda::DecodeAttentionArgs d;
+  d.q = a.q;
+  d.k_pool = a.k_pool;
+  d.v_pool = a.v_pool;
+  d.out = a.out;
+  d.query_start = a.query_start;
+  d.kv_len = a.kv_len;
+  d.block_table = a.block_table;
+  d.num_seqs = a.num_seqs;
+  d.num_tokens = a.num_tokens;
+  d.num_heads = a.num_heads;
+  d.num_kv_heads = a.num_kv_heads;
+  d.head_dim = a.head_dim;
+  d.block_size = a.block_size;
+  d.max_blocks_per_seq = a.max_blocks_per_seq;
+  d.max_query_len = a.max_query_len;
+  d.max_kv_len = a.max_kv_len;
+  d.causal = a.causal;
+  d.window = a.window;
+  d.scale = a.scale;
+  d.workspace = a.workspace;
+  d.workspace_bytes = a.workspace_bytes;
+  d.counters = counters;
+  d.counter_slots = slots;
+  return d;
+}
+
 // DFLASH_GEMM: "cublaslt" sends every linear layer to cuBLASLt; "skinny" every one the skinny
 // kernel supports (up to kSkinnyGemmRows rows); unset or "auto": the skinny kernel only for
 // small weights (N x K <= 4096 x 4096), where it measured faster than cuBLASLt on the H200
@@ -303,38 +333,6 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
                                   Tensor& out) {
   const int64_t row = pool.num_kv_heads * pool.head_dim;
   const int64_t layer_elems = pool.num_blocks * pool.block_size * row;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(pool.head_dim));
-  if (cuda_decode_attention_ && int64_t{meta.num_seqs} * pool.num_kv_heads <= kCudaDecodeMaxPairs) {
-    // few rows per (sequence, KV head), few pairs: the CUDA decode kernel
-    cuda::DecodeAttentionArgs d;
-    d.q = q.data;
-    d.k_pool = bf(pool.k) + layer * layer_elems;
-    d.v_pool = bf(pool.v) + layer * layer_elems;
-    d.out = out.data;
-    d.query_start = i32(meta.query_start);
-    d.kv_len = i32(meta.kv_len);
-    d.block_table = i32(meta.block_table);
-    d.num_seqs = meta.num_seqs;
-    d.num_tokens = static_cast<int32_t>(q.dim(0));
-    d.num_heads = static_cast<int32_t>(q.dim(1));
-    d.num_kv_heads = static_cast<int32_t>(pool.num_kv_heads);
-    d.head_dim = static_cast<int32_t>(pool.head_dim);
-    d.block_size = static_cast<int32_t>(pool.block_size);
-    d.max_blocks_per_seq = meta.max_blocks_per_seq;
-    d.max_query_len = meta.max_query_len;
-    d.max_kv_len = meta.max_kv_len;
-    d.causal = meta.causal;
-    d.window = static_cast<int32_t>(meta.window);
-    d.scale = scale;
-    d.workspace = attention_workspace_;
-    d.workspace_bytes = attention_workspace_bytes_;
-    d.counters = attention_counters_;
-    d.counter_slots = kAttentionCounterSlots;
-    if (cuda::decode_attention_check(d) == nullptr) {
-      DFLASH_CUDA_CHECK(cuda::decode_attention(d, stream_));
-      return;
-    }
-  }
   triton_aot::PagedAttentionArgs a{};
   a.q = q.data;
   a.k_pool = bf(pool.k) + layer * layer_elems;
@@ -354,11 +352,19 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
   a.max_kv_len = meta.max_kv_len;
   a.causal = meta.causal;
   a.window = static_cast<int32_t>(meta.window);
-  a.scale = scale;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(pool.head_dim));
   // Split-KV: one persistent workspace, reused by every call (the calls run in order on one
   // stream); the split count follows max_kv_len and what fits in it.
   a.workspace = attention_workspace_;
   a.workspace_bytes = attention_workspace_bytes_;
+  if (cuda_decode_attention_ && int64_t{meta.num_seqs} * pool.num_kv_heads <= kCudaDecodeMaxPairs) {
+    // few rows per (sequence, KV head), few pairs: the CUDA decode kernel
+    const cuda::DecodeAttentionArgs d = as_decode_args(a, attention_counters_, kAttentionCounterSlots);
+    if (cuda::decode_attention_check(d) == nullptr) {
+      DFLASH_CUDA_CHECK(cuda::decode_attention(d, stream_));
+      return;
+    }
+  }
   CUresult r = triton_aot::paged_attention(*triton_, stream_, a);
   DFLASH_CHECK(r == CUDA_SUCCESS, "Triton paged attention failed (CUresult ", static_cast<int>(r), ")");
 }
