@@ -23,7 +23,6 @@
 //
 // Programmatic dependent launch: detail::pdl_begin() before any memory access.
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
 
 #include "cuda/common.cuh"
