@@ -2,6 +2,7 @@
 #include "config/draft_config.h"
 
 #include <cmath>
+#include <optional>
 #include <filesystem>
 
 namespace dflash {
@@ -18,6 +19,48 @@ std::vector<int> build_target_layer_ids(int64_t num_target_layers, int64_t num_d
   return ids;
 }
 
+namespace {
+
+// The dflash_config fields of a DFlash2DraftModel; errors name the file and the field.
+void draft_config_parse_dflash2(const Json& dc, const std::string& path, DraftConfig* d) {
+  const std::string what = path + " dflash_config";
+  auto required = [&](const char* key) {
+    auto v = json_opt_int(dc, key, what);
+    DFLASH_CHECK(v.has_value(), path, ": a DFlash2DraftModel needs the integer field 'dflash_config.", key, "'");
+    return *v;
+  };
+  DFlash2Config& c = d->dflash2;
+  c.conv_kernel_size = required("conv_kernel_size");
+  c.conv_group_size = required("conv_group_size");
+  c.selector_rank = required("selector_rank");
+  c.selector_top_k = required("selector_top_k");
+  c.output_multiplier = json_opt_double(dc, "output_multiplier", what).value_or(1.0);
+  c.final_logit_softcapping = json_opt_double(dc, "final_logit_softcapping", what).value_or(0.0);
+  c.input_embedding_scale = json_opt_double(dc, "input_embedding_scale", what).value_or(1.0);
+  const int64_t h = d->geometry.hidden_size;
+  DFLASH_CHECK(c.conv_kernel_size >= 1 && c.conv_kernel_size <= d->block_size, path,
+               ": field 'dflash_config.conv_kernel_size' must be in [1, block_size=", d->block_size, "], got ",
+               c.conv_kernel_size);
+  DFLASH_CHECK(c.conv_group_size >= 1 && h % c.conv_group_size == 0, path,
+               ": field 'dflash_config.conv_group_size' (", c.conv_group_size, ") must divide hidden_size (", h,
+               ")");
+  DFLASH_CHECK(c.selector_rank >= 1, path, ": field 'dflash_config.selector_rank' must be >= 1, got ",
+               c.selector_rank);
+  DFLASH_CHECK(c.selector_top_k >= 1 && c.selector_top_k < d->geometry.vocab_size, path,
+               ": field 'dflash_config.selector_top_k' (", c.selector_top_k, ") must be in [1, vocab_size=",
+               d->geometry.vocab_size, ")");
+  DFLASH_CHECK(std::isfinite(c.output_multiplier) && c.output_multiplier > 0.0, path,
+               ": field 'dflash_config.output_multiplier' must be a positive number, got ", c.output_multiplier);
+  DFLASH_CHECK(std::isfinite(c.final_logit_softcapping) && c.final_logit_softcapping >= 0.0, path,
+               ": field 'dflash_config.final_logit_softcapping' must be >= 0 (0 or absent: no cap), got ",
+               c.final_logit_softcapping);
+  DFLASH_CHECK(std::isfinite(c.input_embedding_scale) && c.input_embedding_scale > 0.0, path,
+               ": field 'dflash_config.input_embedding_scale' must be a positive number, got ",
+               c.input_embedding_scale);
+}
+
+}  // namespace
+
 DraftConfig draft_config_load(const std::string& draft_dir) {
   namespace fs = std::filesystem;
   DFLASH_CHECK(fs::is_directory(draft_dir), "drafter directory not found: ", draft_dir);
@@ -30,8 +73,9 @@ DraftConfig draft_config_load(const std::string& draft_dir) {
       j["architectures"][0].is_string()) {
     arch = j["architectures"][0].get<std::string>();
   }
-  DFLASH_CHECK(arch == "DFlashDraftModel", path, ": field 'architectures' is '", arch,
-               "', expected 'DFlashDraftModel'");
+  DFLASH_CHECK(arch == "DFlashDraftModel" || arch == "DFlash2DraftModel", path, ": field 'architectures' is ",
+               j.contains("architectures") ? j["architectures"].dump() : std::string("missing"),
+               "; a drafter directory needs [\"DFlashDraftModel\"] or [\"DFlash2DraftModel\"]");
   // The drafter is a Qwen3 stack: reuse the target parser on a Qwen3-typed copy.
   Json geo = j;
   geo["architectures"] = Json::array({"Qwen3ForCausalLM"});
@@ -39,6 +83,8 @@ DraftConfig draft_config_load(const std::string& draft_dir) {
   geo.erase("use_sliding_window");  // the drafter's windows come from layer_types (below)
   DraftConfig d;
   d.path = path;
+  d.arch_name = arch;
+  d.arch = arch == "DFlash2DraftModel" ? DraftArch::kDFlash2 : DraftArch::kDFlash;
   d.geometry = model_config_from_json(geo, path);
   const Json empty = Json::object();
   const Json& dc = j.contains("dflash_config") && j["dflash_config"].is_object() ? j["dflash_config"] : empty;
@@ -68,9 +114,11 @@ DraftConfig draft_config_load(const std::string& draft_dir) {
   if (!mask) mask = json_opt_int(j, "mask_token_id", path);
   DFLASH_CHECK(mask.has_value(), path, ": missing field 'dflash_config.mask_token_id'");
   d.mask_token_id = *mask;
-  // layer_types / sliding_window: sliding layers attend causally within the window (the
-  // semantics of vLLM and SGLang); full layers attend to the whole context and block.
+  // layer_types / sliding_window, and causality: a top-level is_causal decides for every
+  // layer; without it sliding layers attend causally within the window (the semantics of vLLM
+  // and SGLang) and full layers attend to the whole context and block.
   d.sliding_window.assign(d.geometry.num_layers, 0);
+  const std::optional<bool> is_causal = json_opt_bool(j, "is_causal", path);
   if (j.contains("layer_types") && j["layer_types"].is_array()) {
     const Json& lt = j["layer_types"];
     DFLASH_CHECK(static_cast<int64_t>(lt.size()) == d.geometry.num_layers, path,
@@ -87,6 +135,11 @@ DraftConfig draft_config_load(const std::string& draft_dir) {
       d.sliding_window[i] = *w;
     }
   }
+  d.layer_causal.resize(d.geometry.num_layers);
+  for (int64_t i = 0; i < d.geometry.num_layers; ++i) {
+    d.layer_causal[i] = is_causal.has_value() ? *is_causal : d.sliding_window[i] > 0;
+  }
+  if (d.arch == DraftArch::kDFlash2) draft_config_parse_dflash2(dc, path, &d);
   return d;
 }
 

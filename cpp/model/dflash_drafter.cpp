@@ -2,14 +2,90 @@
 #include "model/dflash_drafter.h"
 
 #include <filesystem>
+#include <map>
 
 namespace dflash {
+
+namespace {
+
+// The tensors a drafter of this config uses, with their shapes: the published DFlash set, plus
+// the conv and selector tensors of a DFlash2DraftModel.
+std::map<std::string, std::vector<int64_t>> drafter_tensors(const DraftConfig& c, const ModelConfig& target) {
+  const ModelConfig& g = c.geometry;
+  const int64_t h = g.hidden_size, hd = g.head_dim, nh = g.num_heads, nkv = g.num_kv_heads;
+  const int64_t inter = g.intermediate_size;
+  std::map<std::string, std::vector<int64_t>> t;
+  t["fc.weight"] = {h, static_cast<int64_t>(c.target_layer_ids.size()) * target.hidden_size};
+  t["hidden_norm.weight"] = {h};
+  t["norm.weight"] = {h};
+  for (int64_t l = 0; l < g.num_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    t[p + "input_layernorm.weight"] = {h};
+    t[p + "self_attn.q_proj.weight"] = {nh * hd, h};
+    t[p + "self_attn.k_proj.weight"] = {nkv * hd, h};
+    t[p + "self_attn.v_proj.weight"] = {nkv * hd, h};
+    t[p + "self_attn.o_proj.weight"] = {h, nh * hd};
+    if (g.qk_norm) {
+      t[p + "self_attn.q_norm.weight"] = {hd};
+      t[p + "self_attn.k_norm.weight"] = {hd};
+    }
+    t[p + "post_attention_layernorm.weight"] = {h};
+    t[p + "mlp.gate_proj.weight"] = {inter, h};
+    t[p + "mlp.up_proj.weight"] = {inter, h};
+    t[p + "mlp.down_proj.weight"] = {h, inter};
+    if (c.arch == DraftArch::kDFlash2) {
+      const int64_t taps = c.dflash2.conv_kernel_size, groups = h / c.dflash2.conv_group_size;
+      for (const char* side : {"attention_conv.", "mlp_conv."}) {
+        t[p + side + "base_kernel"] = {2, taps, h};
+        t[p + side + "kernel_projection.weight"] = {2 * taps * groups, h};
+      }
+    }
+  }
+  if (c.arch == DraftArch::kDFlash2) {
+    const int64_t v = target.vocab_size, r = c.dflash2.selector_rank;
+    t["candidate_selector.predecessor_codebook"] = {v, r};
+    t["candidate_selector.successor_codebook"] = {v, r};
+    t["candidate_selector.hidden_projection.weight"] = {r, h};
+  }
+  return t;
+}
+
+// Every tensor of the checkpoint is one the architecture uses, with the shape it needs, and
+// every tensor it needs is there: a checkpoint with more layers than num_hidden_layers, or a
+// DFlash2 checkpoint labelled DFlashDraftModel, never loads silently as something else.
+void check_tensor_set(const Checkpoint& ckpt, const DraftConfig& c, const ModelConfig& target) {
+  const auto expected = drafter_tensors(c, target);
+  for (const std::string& name : ckpt.names()) {
+    if (expected.count(name)) continue;
+    const bool dflash2_part = name.find("_conv.") != std::string::npos || name.rfind("candidate_selector.", 0) == 0;
+    DFLASH_CHECK(false, ckpt.get(name).file, ": tensor '", name, "' is not used by a ", c.arch_name, " with ",
+                 c.geometry.num_layers, " layers (", c.path, ")",
+                 dflash2_part && c.arch == DraftArch::kDFlash
+                     ? "; it is a DFlash2 tensor: a DFlash2 checkpoint needs \"architectures\": [\"DFlash2DraftModel\"]"
+                     : "; check num_hidden_layers and the architecture");
+  }
+  for (const auto& entry : expected) ckpt.get(entry.first);  // missing: an error naming it
+}
+
+// Every tensor has the shape the architecture needs (the error names the tensor and both shapes).
+void check_tensor_shapes(const Checkpoint& ckpt, const DraftConfig& c, const ModelConfig& target) {
+  for (const auto& [name, shape] : drafter_tensors(c, target)) ckpt.get(name, shape);
+}
+
+}  // namespace
 
 DFlashDrafter::DFlashDrafter(const DraftConfig& config, const std::string& draft_dir, Backend& backend,
                              const Transformer& target, const std::string& target_dir)
     : config_(config), geometry_(layer_geometry(config.geometry)), backend_(backend), target_(target) {
   draft_config_check_target(config_, target.config(), target_dir);
   Checkpoint ckpt(draft_dir);
+  check_tensor_set(ckpt, config_, target.config());
+  for (int64_t l = 0; l < config_.geometry.num_layers; ++l) {
+    DFLASH_CHECK(config_.layer_causal[l] || config_.sliding_window[l] == 0, config_.path, ": layer ", l,
+                 " is a non-causal sliding window ('is_causal': false with 'sliding_attention', a symmetric "
+                 "window |query - key| < ", config_.sliding_window[l],
+                 "), which dflash's attention kernels do not support yet");
+  }
   const int64_t h = geometry_.hidden;
   const int64_t fc_in = static_cast<int64_t>(config_.target_layer_ids.size()) * target.config().hidden_size;
   const StoredTensor& fc = ckpt.get("fc.weight");
@@ -17,6 +93,11 @@ DFlashDrafter::DFlashDrafter(const DraftConfig& config, const std::string& draft
                shape_str(fc.shape), " but the drafter needs [", h, ", ", fc_in, "] = [hidden_size, ",
                config_.target_layer_ids.size(), " target layers x ", target.config().hidden_size,
                " (hidden_size of ", target_dir, "/config.json)]");
+  if (config_.arch == DraftArch::kDFlash2) check_tensor_shapes(ckpt, config_, target.config());
+  DFLASH_CHECK(config_.arch == DraftArch::kDFlash, config_.path,
+               ": a DFlash2DraftModel (grouped conv + candidate selector); its checkpoint is valid, but this "
+               "dflash version cannot run DFlash2 yet (the conv, selector and lattice walk are not built), and "
+               "it never runs a DFlash2 drafter as DFlash (v1)");
   auto load = [&](const std::string& name, std::vector<int64_t> shape) {
     return weight_load(backend_, ckpt, name, shape, &weight_bytes_);
   };
@@ -86,7 +167,7 @@ Tensor DFlashDrafter::draft(const DeviceBatch& batch, KVPool& pool, DType logits
   backend_.embedding(target_.embedding(), batch.token_ids, residual);
   for (size_t l = 0; l < layers_.size(); ++l) {
     AttentionMeta meta = batch.meta;
-    meta.causal = false;
+    meta.causal = config_.layer_causal[l];
     meta.window = config_.sliding_window[l];
     decoder_layer_forward(backend_, layers_[l], g, batch.positions, inv_freq_, batch.slots, meta, pool,
                           static_cast<int64_t>(l), residual, s);
