@@ -3,9 +3,9 @@
 # Drafter checkpoints load only as exactly what they are: every tensor of the checkpoint is one
 # its architecture uses (a DFlash2 checkpoint relabelled DFlashDraftModel, or a 2-layer
 # checkpoint whose config says 1 layer, is refused), DFlash2DraftModel configs are parsed and
-# validated field by field (errors name the file and the field), a valid DFlash2 checkpoint is
-# refused with a message saying that this build cannot run DFlash2 (never run as DFlash v1), and
-# a top-level `is_causal` takes precedence over the sliding-window rule.
+# validated field by field (errors name the file and the field), a valid DFlash2 checkpoint
+# runs with its selector, and a top-level `is_causal` takes precedence over the sliding-window
+# rule.
 from __future__ import annotations
 
 import json
@@ -101,10 +101,16 @@ def test_missing_tensor_is_named(tmp_path, target):
         dflash.Session(target, draft=d, num_threads=1)
 
 
-def test_valid_dflash2_checkpoint_is_refused_as_not_runnable_yet(tmp_path, target):
-    d = _make_dflash2(tmp_path, target)
-    with pytest.raises(dflash.DFlashError, match=r"DFlash2DraftModel.*checkpoint is valid.*cannot run DFlash2 yet.*never runs"):
-        dflash.Session(target, draft=d, num_threads=1)
+def test_valid_dflash2_checkpoint_loads_and_runs_with_its_selector(tmp_path, target):
+    d = _make_dflash2(tmp_path, target, top_k=4)
+    sess = dflash.Session(target, draft=d, num_threads=1, device="cpu")
+    details = sess.propose_details(list(range(3, 15)))
+    n = 3  # block_size 4: 3 drafts per step
+    assert details["k"] == 4 and len(details["draft_ids"]) == n
+    assert details["candidate_ids"].shape == (n, 4) and details["edges"].shape == (n, 4, 4)
+    # The drafts are walked candidates (not the LM head's argmax rows of a DFlash v1 draft).
+    for s in range(n):
+        assert details["draft_ids"][s] in details["candidate_ids"][s]
 
 
 @pytest.mark.parametrize("field, value, message", [

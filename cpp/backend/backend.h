@@ -180,6 +180,54 @@ class Backend {
   // anchors of a step launched before the host has read the previous step's tokens prev[])
   virtual void feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) = 0;
 
+  // --- DFlash2 candidate drafting (CPU today; the CUDA kernels are unfinished, and a DFlash2
+  // drafter is refused on CUDA at load time). Defaults throw, naming the backend. ---
+  // x[...] *= factor (in place)
+  virtual void scale(Tensor& x, float factor) { unsupported("scale"); }
+  // One side s (0 = prepare, 1 = finish) of the grouped dynamic depthwise conv over contiguous
+  // blocks of `block` rows, G = H / group:
+  //   out[i, c] = sum_t (base[s, t, c] + deltas[i, (s * T + t) * G + c / group]) * x[i - t, c]
+  //               * [(i mod block) >= t]
+  // x[N, H], base[2, T, H], deltas[N, 2 * T * G] (the sublayer input's kernel projection), out[N, H]
+  // (out must not alias x).
+  virtual void grouped_conv(const Tensor& x, const Tensor& base, const Tensor& deltas, int64_t side,
+                            int64_t block, int64_t group, Tensor& out) {
+    unsupported("grouped_conv");
+  }
+  // Per row of logits[R, V]: the K largest values, sorted descending, lowest id first on ties;
+  // NaN ranks below every number (a row with fewer than K numbers fills up with its NaN ids,
+  // lowest first, valued -inf): ids[R, K] int32, unary[R, K] fp32 = v * multiplier, then
+  // softcap * tanh(. / softcap) when softcap > 0.
+  virtual void topk_candidates(const Tensor& logits, int64_t k, float multiplier, float softcap, Tensor& ids,
+                               Tensor& unary) {
+    unsupported("topk_candidates");
+  }
+  // Edge scores of the candidate lattice, fp32: ids[R, S, K], unary[R, S, K], gate[R, S, r] (the
+  // hidden projection of the drafter's state at each slot), anchors[R] int32, codebooks A, B [V, r]:
+  //   edges[b, s, p, c] = unary[b, s, c] + sum_j A[pred(b, s, p), j] * gate[b, s, j] * B[ids[b, s, c], j]
+  //   pred(b, 0, p) = anchors[b], pred(b, s, p) = ids[b, s - 1, p].
+  virtual void edge_scores(const Tensor& ids, const Tensor& unary, const Tensor& gate, const Tensor& anchors,
+                           const Tensor& pred_codebook, const Tensor& succ_codebook, Tensor& edges) {
+    unsupported("edge_scores");
+  }
+  // The lattice walk, per request b with params[b] (position = the first draft's): prev = 0; for
+  // each slot s, row = edges[b, s, prev, :]; at temperature 0 idx = argmax(row) (lowest index on
+  // ties, NaN as -inf), else idx = argmax(row / T + Gumbel) with the noise keyed by (seed,
+  // position + s, candidate id) on the draft stream; drafts[b, s] = ids[b, s, idx],
+  // realized[b, s, :] = row (the proposal q = softmax(row / T)); prev = idx.
+  virtual void lattice_walk(const Tensor& edges, const Tensor& ids, const Tensor& params, Tensor& drafts,
+                            Tensor& realized) {
+    unsupported("lattice_walk");
+  }
+  // accept() with the walk's proposal: q[b, j] = softmax(realized[b, j, :] / T) over ids[b, j, :]
+  // (exact rejection sampling: accept x if u q(x) < p(x), else draw from norm(max(p - q, 0)); the
+  // bonus from p after a full accept); greedy (T = 0) rows as accept().
+  virtual void accept_candidates(const Tensor& drafts, const Tensor& ids, const Tensor& realized,
+                                 const Tensor& logits, const Tensor& params, Tensor& num_accepted,
+                                 Tensor& next_token) {
+    unsupported("accept_candidates");
+  }
+
   // --- Host staging and copies on the backend's stream (plain memcpy on the CPU) ---
   // Host memory the device can copy from/to asynchronously (pinned on CUDA).
   virtual std::shared_ptr<void> host_alloc(size_t bytes) = 0;
@@ -201,6 +249,12 @@ class Backend {
   }
 
   virtual int num_threads() const = 0;
+
+ protected:
+  [[noreturn]] void unsupported(const char* op) const {
+    throw Error(detail::concat("the ", name(), " backend has no ", op, " op (DFlash2 runs on the CPU backend only in "
+                               "this version)"));
+  }
 };
 
 // device: "cpu" or "cuda" (when built with CUDA). Throws InvalidArgument otherwise.

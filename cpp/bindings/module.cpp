@@ -292,5 +292,25 @@ NB_MODULE(_core, m) {
         size_t shape[1] = {static_cast<size_t>(n)};
         nb::object id_arr = nb::cast(nb::ndarray<nb::numpy, int32_t, nb::ndim<1>>(ids, 1, shape, owner));
         return nb::make_tuple(id_arr, to_numpy_2d(logits, s.model_config().vocab_size));
-      }, "prompt"_a, "Prefill + context update + one draft step: (draft ids [n], draft logits [n, vocab]).");
+      }, "prompt"_a, "Prefill + context update + one draft step: (draft ids [n], draft logits [n, vocab]).")
+      .def("propose_details", [](Session& s, const std::vector<int32_t>& prompt) {
+        std::vector<int32_t> drafts;
+        std::vector<float> logits;
+        Engine::ProposeDetails d;
+        {
+          nb::gil_scoped_release release;
+          s.propose(prompt, &drafts, &logits, &d);
+        }
+        nb::dict out;
+        out["draft_ids"] = nb::cast(drafts);
+        out["draft_logits"] = to_numpy_2d(logits, s.model_config().vocab_size);
+        out["k"] = d.k;
+        if (d.k > 0) {
+          out["candidate_ids"] = nb::cast(d.cand_ids);
+          out["unary"] = to_numpy_2d(d.unary, d.k);
+          out["edges"] = to_numpy_2d(d.edges, d.k);
+          out["realized"] = to_numpy_2d(d.realized, d.k);
+        }
+        return out;
+      }, "prompt"_a, "propose() with a K-candidate drafter's candidates, unary and edge scores and walked rows.");
 }

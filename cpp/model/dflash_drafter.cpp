@@ -93,11 +93,7 @@ DFlashDrafter::DFlashDrafter(const DraftConfig& config, const std::string& draft
                shape_str(fc.shape), " but the drafter needs [", h, ", ", fc_in, "] = [hidden_size, ",
                config_.target_layer_ids.size(), " target layers x ", target.config().hidden_size,
                " (hidden_size of ", target_dir, "/config.json)]");
-  if (config_.arch == DraftArch::kDFlash2) check_tensor_shapes(ckpt, config_, target.config());
-  DFLASH_CHECK(config_.arch == DraftArch::kDFlash, config_.path,
-               ": a DFlash2DraftModel (grouped conv + candidate selector); its checkpoint is valid, but this "
-               "dflash version cannot run DFlash2 yet (the conv, selector and lattice walk are not built), and "
-               "it never runs a DFlash2 drafter as DFlash (v1)");
+  check_tensor_shapes(ckpt, config_, target.config());
   auto load = [&](const std::string& name, std::vector<int64_t> shape) {
     return weight_load(backend_, ckpt, name, shape, &weight_bytes_);
   };
@@ -158,7 +154,14 @@ Tensor DFlashDrafter::draft(const ForwardBatch& batch, KVPool& pool) {
   return draft(device_batch_upload(backend_, batch, /*causal=*/false), pool, DType::kF32);
 }
 
-Tensor DFlashDrafter::draft(const DeviceBatch& batch, KVPool& pool, DType logits_dtype) {
+AttentionMeta DFlashDrafter::layer_meta(const DeviceBatch& batch, size_t l) const {
+  AttentionMeta meta = batch.meta;
+  meta.causal = config_.layer_causal[l];
+  meta.window = config_.sliding_window[l];
+  return meta;
+}
+
+Tensor DFlashDrafter::backbone(const DeviceBatch& batch, KVPool& pool) {
   const int64_t t = batch.num_tokens;
   const LayerGeometry& g = geometry_;
   const DType dt = backend_.compute_dtype();
@@ -166,14 +169,25 @@ Tensor DFlashDrafter::draft(const DeviceBatch& batch, KVPool& pool, DType logits
   Tensor residual = backend_.empty({t, g.hidden}, dt);
   backend_.embedding(target_.embedding(), batch.token_ids, residual);
   for (size_t l = 0; l < layers_.size(); ++l) {
-    AttentionMeta meta = batch.meta;
-    meta.causal = config_.layer_causal[l];
-    meta.window = config_.sliding_window[l];
-    decoder_layer_forward(backend_, layers_[l], g, batch.positions, inv_freq_, batch.slots, meta, pool,
-                          static_cast<int64_t>(l), residual, s);
+    decoder_layer_forward(backend_, layers_[l], g, batch.positions, inv_freq_, batch.slots, layer_meta(batch, l),
+                          pool, static_cast<int64_t>(l), residual, s);
   }
-  backend_.rms_norm(residual, norm_, g.eps, s.normed);
-  return lm_head_rows(backend_, target_.lm_head(), s.normed, batch, logits_dtype);
+  Tensor normed = backend_.empty({t, g.hidden}, dt);
+  backend_.rms_norm(residual, norm_, g.eps, normed);
+  return normed;
+}
+
+Tensor DFlashDrafter::draft(const DeviceBatch& batch, KVPool& pool, DType logits_dtype) {
+  return lm_head_rows(backend_, target_.lm_head(), backbone(batch, pool), batch, logits_dtype);
+}
+
+Tensor DFlashDrafter::draft_logits(const DeviceBatch& batch, KVPool& pool) { return draft(batch, pool, DType::kF32); }
+
+void DFlashDrafter::propose(const DeviceBatch& batch, KVPool& pool, const Tensor& anchors, const Tensor& params,
+                            DraftOutputs& out) {
+  Tensor logits = draft(batch, pool, backend_.compute_dtype());
+  Tensor drafts = out.drafts.reshape({out.drafts.numel()});
+  backend_.argmax(logits, drafts);
 }
 
 }  // namespace dflash

@@ -12,38 +12,45 @@
 #include "backend/backend.h"
 #include "config/draft_config.h"
 #include "model/decoder_layer.h"
+#include "model/drafter.h"
 #include "model/forward_batch.h"
 #include "model/transformer.h"
 
 namespace dflash {
 
-class DFlashDrafter {
+class DFlashDrafter : public Drafter {
  public:
-  // Loads draft_dir/model.safetensors; checks it against the target (errors name both).
+  // Loads draft_dir/model.safetensors; checks it against the target (errors name both). Every
+  // tensor of the checkpoint must be one config.arch uses (derived drafters load the rest).
   DFlashDrafter(const DraftConfig& config, const std::string& draft_dir, Backend& backend,
                 const Transformer& target, const std::string& target_dir);
 
-  const DraftConfig& config() const { return config_; }
-  size_t weight_bytes() const { return weight_bytes_; }
-  KVPool make_kv_pool(int64_t num_blocks, int64_t block_size) const;
+  const DraftConfig& config() const override { return config_; }
+  size_t weight_bytes() const override { return weight_bytes_; }
+  KVPool make_kv_pool(int64_t num_blocks, int64_t block_size) const override;
 
-  // Writes the context K/V of committed tokens into every layer of `pool`.
-  // taps: [C, num_taps * target_hidden] target layer outputs; positions, slots: [C].
   void update_context(const Tensor& taps, const std::vector<int32_t>& positions,
-                      const std::vector<int32_t>& slots, KVPool& pool);
-  // The same with positions, slots [C] int32 already on the backend: one GEMM for fc, one for
-  // the stacked K/V of all layers, one fused norm/RoPE/write kernel.
-  void update_context(const Tensor& taps, const Tensor& positions, const Tensor& slots, KVPool& pool);
+                      const std::vector<int32_t>& slots, KVPool& pool) override;
+  // One GEMM for fc, one for the stacked K/V of all layers, one fused norm/RoPE/write kernel.
+  void update_context(const Tensor& taps, const Tensor& positions, const Tensor& slots, KVPool& pool) override;
 
-  // One draft forward. batch.token_ids holds each request's block [anchor, mask x n] at
-  // positions q0 .. q0 + n (kv_len = q0 + n + 1, slots for the block rows), and logit_rows the
-  // block rows 1..n. Returns the logits [logit_rows, V] (fp32).
+  // Greedy drafts: the argmax of each draft logit row (computed in the compute dtype).
+  void propose(const DeviceBatch& batch, KVPool& pool, const Tensor& anchors, const Tensor& params,
+               DraftOutputs& out) override;
+  Tensor draft_logits(const DeviceBatch& batch, KVPool& pool) override;
+
+  // One draft forward over a host batch (see Drafter::propose for its layout): the logits
+  // [logit_rows, V] (fp32).
   Tensor draft(const ForwardBatch& batch, KVPool& pool);
-  // The same over a batch on the backend; logits in logits_dtype (the compute dtype is enough
-  // for greedy drafts).
+  // The same over a batch on the backend; logits in logits_dtype.
   Tensor draft(const DeviceBatch& batch, KVPool& pool, DType logits_dtype);
 
- private:
+ protected:
+  // The backbone over the batch's blocks: the final-normed hidden states [T, H].
+  virtual Tensor backbone(const DeviceBatch& batch, KVPool& pool);
+  // The attention mask of layer l within the batch's metadata.
+  AttentionMeta layer_meta(const DeviceBatch& batch, size_t l) const;
+
   DraftConfig config_;
   LayerGeometry geometry_;
   Backend& backend_;

@@ -17,7 +17,7 @@ int64_t DecodePrograms::trash_blocks(int64_t rows_per_request, int64_t block_siz
   return BlockTable::blocks_for(rows_per_request, block_size);
 }
 
-DecodePrograms::DecodePrograms(Backend& backend, Transformer& target, KVPool& target_pool, DFlashDrafter* drafter,
+DecodePrograms::DecodePrograms(Backend& backend, Transformer& target, KVPool& target_pool, Drafter* drafter,
                                KVPool* draft_pool, const DecodeProgramConfig& config)
     : backend_(backend),
       target_(target),
@@ -60,6 +60,7 @@ DecodePrograms::DecodePrograms(Backend& backend, Transformer& target, KVPool& ta
   in_use_override_ = take(bmax);
   in_params_ = take(bmax * kParamWords);
   in_feed_ = take(bmax);
+  in_anchors_ = take(bmax);
   in_block_table_ = take(bmax * width_);
   in_words_ = w;
   in_dev_ = backend_.zeros({in_words_}, DType::kI32);
@@ -80,6 +81,11 @@ DecodePrograms::DecodePrograms(Backend& backend, Transformer& target, KVPool& ta
     std::memset(h.get(), 0, static_cast<size_t>(out_words_) * 4);
   }
   if (n_ > 0) proposed_ = backend_.zeros({bmax * n_}, DType::kI32);
+  const int64_t k = drafter_ ? drafter_->proposal_width() : 0;
+  if (k > 0) {
+    cand_ids_ = backend_.zeros({bmax * n_ * k}, DType::kI32);
+    realized_ = backend_.zeros({bmax * n_ * k}, DType::kF32);
+  }
 }
 
 DecodePrograms::~DecodePrograms() = default;
@@ -130,6 +136,9 @@ void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b, int sl
     h[in_use_override_ + r] = row.override_drafts ? 1 : 0;
     DFLASH_CHECK(row.feed < 0 || (config_.feed && n == 0), "a fed anchor needs an AR program built with feed");
     h[in_feed_ + r] = row.feed;
+    h[in_anchors_ + r] = row.anchor;
+    DFLASH_CHECK(!row.override_drafts || !drafter_ || drafter_->proposal_width() == 0,
+                 "override drafts (a test hook) are one-hot proposals; this drafter proposes K-candidate rows");
     SampleRow s = real ? row.sample : SampleRow{};
     if (!real) s.position = 1;
     const SampleParamsPacked p = sample_params_pack(s);
@@ -186,13 +195,18 @@ void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
     return;
   }
 
-  // Draft: [anchor, MASK x n] per request, non-causal over context + block; greedy tokens.
+  // Draft: [anchor, MASK x n] per request over context + block, through the drafting seam.
   d.meta.causal = false;
   d.logit_rows = field(in_logit_rows_, b * n);
-  Tensor draft_logits = drafter_->draft(d, *draft_pool_, backend_.compute_dtype());
-  Tensor proposed = proposed_;
-  proposed.shape = {b * n};
-  backend_.argmax(draft_logits, proposed);
+  const int64_t k = drafter_->proposal_width();
+  DraftOutputs proposal;
+  proposal.drafts = proposed_.rows(0, b * n).reshape({b, n});
+  if (k > 0) {
+    proposal.cand_ids = cand_ids_.rows(0, b * n * k).reshape({b, n, k});
+    proposal.realized = realized_.rows(0, b * n * k).reshape({b, n, k});
+  }
+  drafter_->propose(d, *draft_pool_, field(in_anchors_, b), params, proposal);
+  Tensor proposed = proposal.drafts;
   Tensor drafts = out_field(out_drafts_, b * n).reshape({b, n});
   Tensor verify_ids = field(in_verify_ids_, t).reshape({b, q});
   backend_.assemble_drafts(proposed.reshape({b, n}), field(in_override_, b * n).reshape({b, n}),
@@ -208,7 +222,11 @@ void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
   ForwardResult fwd = target_.forward(v, target_pool_);
   mark(1);
   Tensor accepted = out_field(out_accepted_, b), next = out_field(out_next_, b);
-  backend_.accept(drafts, fwd.logits, params, accepted, next);
+  if (k > 0) {
+    backend_.accept_candidates(drafts, proposal.cand_ids, proposal.realized, fwd.logits, params, accepted, next);
+  } else {
+    backend_.accept(drafts, fwd.logits, params, accepted, next);
+  }
   mark(2);
   // Context update of all q rows (the rejected ones are overwritten by the next draft block).
   drafter_->update_context(fwd.taps, d.positions, d.slots, *draft_pool_);

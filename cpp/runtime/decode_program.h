@@ -16,7 +16,7 @@
 
 #include "backend/backend.h"
 #include "kv_cache/block_allocator.h"
-#include "model/dflash_drafter.h"
+#include "model/drafter.h"
 #include "model/transformer.h"
 
 namespace dflash {
@@ -44,7 +44,7 @@ struct DecodeProgramConfig {
 
 class DecodePrograms {
  public:
-  DecodePrograms(Backend& backend, Transformer& target, KVPool& target_pool, DFlashDrafter* drafter,
+  DecodePrograms(Backend& backend, Transformer& target, KVPool& target_pool, Drafter* drafter,
                  KVPool* draft_pool, const DecodeProgramConfig& config);
   ~DecodePrograms();
 
@@ -94,7 +94,7 @@ class DecodePrograms {
   Backend& backend_;
   Transformer& target_;
   KVPool& target_pool_;
-  DFlashDrafter* drafter_;
+  Drafter* drafter_;
   KVPool* draft_pool_;
   DecodeProgramConfig config_;
   int64_t q_ = 1;      // rows per request: 1 (AR) or n + 1
@@ -107,14 +107,15 @@ class DecodePrograms {
   // Static inputs (int32 words; one device buffer, two pinned host staging buffers).
   int64_t in_ids_ = 0, in_verify_ids_ = 0, in_positions_ = 0, in_slots_ = 0, in_query_start_ = 0,
           in_kv_len_ = 0, in_logit_rows_ = 0, in_override_ = 0, in_use_override_ = 0, in_params_ = 0,
-          in_feed_ = 0, in_block_table_ = 0, in_words_ = 0;
+          in_feed_ = 0, in_anchors_ = 0, in_block_table_ = 0, in_words_ = 0;
   Tensor in_dev_;
   std::shared_ptr<void> in_host_[2];
   int next_slot_ = 0;  // slot of the next launch
   int last_slot_ = 0;  // slot of the last launch
   int read_slot_ = 0;  // slot whose outputs tokens() & co. read
-  // Device scratch of the speculative program and the outputs.
-  Tensor proposed_;
+  // Device scratch of the speculative program (the drafter's proposal: drafts [B, n] and, for
+  // K-candidate drafters, cand_ids / realized [B, n, K]) and the outputs.
+  Tensor proposed_, cand_ids_, realized_;
   int64_t out_tokens_ = 0, out_drafts_ = 0, out_accepted_ = 0, out_next_ = 0, out_words_ = 0;
   Tensor out_dev_;
   std::shared_ptr<void> out_host_[2];

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "model/dflash_drafter.h"
+#include "model/drafter.h"
 #include "model/transformer.h"
 #include "runtime/decode_program.h"
 #include "runtime/request.h"
@@ -60,7 +60,7 @@ struct EngineOptions {
 // The drafter side of an engine: the model, its KV pool (same block ids as the target's) and
 // the number of draft tokens per step.
 struct Speculator {
-  DFlashDrafter* drafter = nullptr;
+  Drafter* drafter = nullptr;
   KVPool* pool = nullptr;
   int64_t num_spec_tokens = 0;
 };
@@ -78,9 +78,19 @@ class Engine {
   int64_t add_request(RequestInput input);
   // One step over all running requests; outputs for those that produced tokens.
   std::vector<StepOutput> step();
-  // Speculative decoding inspection: prefill + context update + one draft step for one prompt
-  // in blocks of its own; returns the drafts [n] and their logits [n, V]. Changes nothing else.
-  void propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* drafts, std::vector<float>* logits);
+  // Speculative decoding inspection: prefill + context update + one greedy draft step for one
+  // prompt in blocks of its own; returns the drafts [n] and the LM head's logits [n, V] at the
+  // draft rows; for a K-candidate drafter (DFlash2) also the candidates, unary scores, edge
+  // scores and walked rows of `details` (if non-null). Changes nothing else.
+  struct ProposeDetails {
+    int64_t k = 0;
+    std::vector<int32_t> cand_ids;  // [n, K]
+    std::vector<float> unary;       // [n, K]
+    std::vector<float> edges;       // [n, K, K]
+    std::vector<float> realized;    // [n, K]
+  };
+  void propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* drafts, std::vector<float>* logits,
+               ProposeDetails* details = nullptr);
   bool speculative() const { return spec_.drafter != nullptr; }
   int64_t num_spec_tokens() const { return spec_.num_spec_tokens; }
   bool abort(int64_t id);

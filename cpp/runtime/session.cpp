@@ -77,7 +77,7 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   checkpoint_ = std::make_unique<Checkpoint>(model_dir);
   model_ = std::make_unique<Transformer>(config_, *checkpoint_, *backend_, taps);
   if (!config.draft_dir.empty()) {
-    drafter_ = std::make_unique<DFlashDrafter>(draft_config, config.draft_dir, *backend_, *model_, model_dir);
+    drafter_ = drafter_create(draft_config, config.draft_dir, *backend_, *model_, model_dir);
   }
   if (backend_->kind() == DeviceKind::kCPU) {
     checkpoint_.reset();  // weights were copied to fp32; drop the mappings

@@ -10,7 +10,7 @@
 #include "backend/backend.h"
 #include "config/model_config.h"
 #include "kv_cache/block_allocator.h"
-#include "model/dflash_drafter.h"
+#include "model/drafter.h"
 #include "model/transformer.h"
 #include "runtime/engine.h"
 #include "weights/safetensors.h"
@@ -81,8 +81,9 @@ class Session {
   std::vector<RequestResult> generate(std::vector<RequestInput> inputs);
   SessionStats stats() const;
   // Drafter inspection (see Engine::propose): drafts [n] and logits [n * vocab].
-  void propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* drafts, std::vector<float>* logits) {
-    engine_->propose(prompt, drafts, logits);
+  void propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* drafts, std::vector<float>* logits,
+               Engine::ProposeDetails* details = nullptr) {
+    engine_->propose(prompt, drafts, logits, details);
   }
 
  private:
@@ -93,7 +94,7 @@ class Session {
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<BlockAllocator> allocator_;
   KVPool pool_;
-  std::unique_ptr<DFlashDrafter> drafter_;
+  std::unique_ptr<Drafter> drafter_;
   KVPool draft_pool_;
   std::unique_ptr<Engine> engine_;
   int64_t max_model_len_ = 0;

@@ -51,6 +51,14 @@ std::vector<int32_t> argmax_rows(Backend& backend, const Tensor& logits) {
   return out;
 }
 
+// The int32 tensor t, copied to the host.
+std::vector<int32_t> download_i32(Backend& backend, const Tensor& t) {
+  std::vector<int32_t> out(t.numel());
+  backend.copy_to_host(out.data(), t, out.size() * 4);
+  backend.synchronize();
+  return out;
+}
+
 // Seconds since `*t`, after the backend finished its queued work; resets `*t`.
 double lap(Backend& backend, Clock::time_point* t) {
   backend.synchronize();
@@ -64,7 +72,7 @@ double lap(Backend& backend, Clock::time_point* t) {
 
 std::vector<StepOutput> Engine::speculative_prefill(const std::vector<Request*>& running) {
   // One causal target forward with taps over the prompts; first token; drafter context.
-  DFlashDrafter& drafter = *spec_.drafter;
+  Drafter& drafter = *spec_.drafter;
   const int max_blocks = max_blocks_of(running);
   ForwardBatch batch;
   batch.want_taps = true;
@@ -170,9 +178,10 @@ std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& 
   return outputs;
 }
 
-void Engine::propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* drafts, std::vector<float>* logits) {
+void Engine::propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* drafts, std::vector<float>* logits,
+                     ProposeDetails* details) {
   DFLASH_ARG_CHECK(spec_.drafter != nullptr, "propose() needs a Session with a draft model");
-  DFlashDrafter& drafter = *spec_.drafter;
+  Drafter& drafter = *spec_.drafter;
   const int64_t n = spec_.num_spec_tokens, p = static_cast<int64_t>(prompt.size());
   const int64_t vocab = model_.config().vocab_size;
   DFLASH_ARG_CHECK(p > 0, "the prompt is empty");
@@ -191,7 +200,6 @@ void Engine::propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* d
     ForwardBatch pre;
     pre.want_taps = true;
     pre.query_start.push_back(0);
-    std::vector<int32_t> positions;
     for (int64_t i = 0; i < p; ++i) {
       pre.token_ids.push_back(prompt[i]);
       pre.positions.push_back(static_cast<int32_t>(i));
@@ -208,10 +216,39 @@ void Engine::propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* d
     ForwardBatch block;
     add_block(block, table, p, anchor, static_cast<int32_t>(drafter.config().mask_token_id), n,
               static_cast<int>(table.blocks().size()));
-    Tensor draft_logits = drafter.draft(block, *spec_.pool);
-    *drafts = argmax_rows(backend_, draft_logits);
+    const DeviceBatch d = device_batch_upload(backend_, block, /*causal=*/false);
+    Tensor draft_logits = drafter.draft_logits(d, *spec_.pool);
     logits->resize(draft_logits.numel());
     backend_.download_f32(draft_logits, logits->data());
+    // The drafts as a decode step makes them (greedy sampling parameters).
+    const int64_t k = drafter.proposal_width();
+    DraftOutputs out;
+    out.drafts = backend_.empty({1, n}, DType::kI32);
+    if (k > 0) {
+      out.cand_ids = backend_.empty({1, n, k}, DType::kI32);
+      out.realized = backend_.empty({1, n, k}, DType::kF32);
+      out.unary = backend_.empty({1, n, k}, DType::kF32);
+      out.edges = backend_.empty({1, n, k, k}, DType::kF32);
+    }
+    SampleRow greedy;
+    greedy.position = p + 1;
+    const SampleParamsPacked packed = sample_params_pack(greedy);
+    Tensor params = backend_.upload_i32(reinterpret_cast<const int32_t*>(&packed),
+                                        {static_cast<int64_t>(sizeof(packed) / 4)});
+    params.dtype = DType::kU8;
+    params.shape = {static_cast<int64_t>(sizeof(packed))};
+    drafter.propose(d, *spec_.pool, backend_.upload_i32(&anchor, {1}), params, out);
+    *drafts = download_i32(backend_, out.drafts);
+    if (details && k > 0) {
+      details->k = k;
+      details->cand_ids = download_i32(backend_, out.cand_ids);
+      details->unary.resize(out.unary.numel());
+      backend_.download_f32(out.unary, details->unary.data());
+      details->edges.resize(out.edges.numel());
+      backend_.download_f32(out.edges, details->edges.data());
+      details->realized.resize(out.realized.numel());
+      backend_.download_f32(out.realized, details->realized.data());
+    }
   } catch (...) {
     table.release(allocator_);
     throw;

@@ -361,6 +361,27 @@ class Session:
             raise ValueError("token_ids must be a list of ints")
         return self._core.propose(ids)
 
+    def propose_details(self, token_ids: Sequence[int]) -> Dict[str, Any]:
+        """propose() with the drafter's intermediate results: a dict with draft_ids [n] and
+        draft_logits [n, vocab]; for a DFlash2 drafter also k (candidates per slot),
+        candidate_ids [n, k], unary [n, k] (scaled and capped LM-head values), edges [n, k, k]
+        (edges[s, p, c]: candidate p of slot s-1, or the anchor for s = 0, to candidate c of slot
+        s) and realized [n, k] (the edge row the greedy walk read at each slot)."""
+        import numpy as np
+
+        if self.draft_dir is None:
+            raise ValueError("propose_details() needs a Session with a draft model (draft=...)")
+        ids = list(token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("token_ids must be a list of ints")
+        d = dict(self._core.propose_details(ids))
+        d["draft_ids"] = np.asarray(d["draft_ids"], dtype=np.int32)
+        if d["k"] > 0:
+            k = d["k"]
+            d["candidate_ids"] = np.asarray(d["candidate_ids"], dtype=np.int32).reshape(-1, k)
+            d["edges"] = np.asarray(d["edges"]).reshape(-1, k, k)
+        return d
+
     # ------------------------------------------------------------------ introspection
     def stats(self) -> Dict[str, Any]:
         """Memory and counters: weight/KV bytes, KV blocks (total and free), engine counters.

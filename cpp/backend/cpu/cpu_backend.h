@@ -57,6 +57,17 @@ class CpuBackend final : public Backend {
                        Tensor& drafts, Tensor& verify_ids) override;
   void kv_norm_rope_write_layers(const Tensor& kv, const Tensor& k_norm, float eps, const Tensor& positions,
                                  const Tensor& inv_freq, const Tensor& slots, KVPool& pool) override;
+  void scale(Tensor& x, float factor) override;
+  void grouped_conv(const Tensor& x, const Tensor& base, const Tensor& deltas, int64_t side, int64_t block,
+                    int64_t group, Tensor& out) override;
+  void topk_candidates(const Tensor& logits, int64_t k, float multiplier, float softcap, Tensor& ids,
+                       Tensor& unary) override;
+  void edge_scores(const Tensor& ids, const Tensor& unary, const Tensor& gate, const Tensor& anchors,
+                   const Tensor& pred_codebook, const Tensor& succ_codebook, Tensor& edges) override;
+  void lattice_walk(const Tensor& edges, const Tensor& ids, const Tensor& params, Tensor& drafts,
+                    Tensor& realized) override;
+  void accept_candidates(const Tensor& drafts, const Tensor& ids, const Tensor& realized, const Tensor& logits,
+                         const Tensor& params, Tensor& num_accepted, Tensor& next_token) override;
   std::shared_ptr<void> host_alloc(size_t bytes) override;
   void copy_to_device(Tensor& dst, const void* host, size_t bytes) override;
   void copy_to_host(void* host, const Tensor& src, size_t bytes) override;

@@ -1,0 +1,49 @@
+// The DFlash2 drafter (z-lab DFlash2DraftModel checkpoints, unchanged): the DFlash backbone with
+// a grouped dynamic depthwise conv around each attention and MLP sublayer (prepare on the
+// normed input, finish on the sublayer's output, both sides' dynamic coefficients from one
+// projection of the input; taps never cross a block), then the candidate selector: per slot
+// the top-K of the target's LM head, edge scores between adjacent slots' candidates from two
+// codebooks and a context gate, and the lattice walk (greedy, or Gumbel-sampled at T > 0 with
+// the walked rows as the proposal q). It always runs whole: no path drafts without the conv or
+// the selector.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "model/dflash_drafter.h"
+
+namespace dflash {
+
+class DFlash2Drafter : public DFlashDrafter {
+ public:
+  DFlash2Drafter(const DraftConfig& config, const std::string& draft_dir, Backend& backend,
+                 const Transformer& target, const std::string& target_dir);
+
+  int64_t proposal_width() const override { return config_.dflash2.selector_top_k; }
+  void propose(const DeviceBatch& batch, KVPool& pool, const Tensor& anchors, const Tensor& params,
+               DraftOutputs& out) override;
+
+ protected:
+  Tensor backbone(const DeviceBatch& batch, KVPool& pool) override;
+
+ private:
+  struct Conv {
+    Tensor base;        // [2, T, H]
+    Tensor projection;  // [2 T H / g, H]
+  };
+  struct LayerConvs {
+    Conv attention, mlp;
+  };
+  // The conv around a sublayer: prepare(x) -> out, with both sides' deltas [T, 2 T G] from x;
+  // finish(y, deltas) -> out.
+  void conv_prepare(const Conv& conv, const Tensor& x, int64_t block, Tensor& deltas, Tensor& out);
+  void conv_finish(const Conv& conv, const Tensor& y, const Tensor& deltas, int64_t block, Tensor& out);
+
+  std::vector<LayerConvs> convs_;
+  Tensor pred_codebook_;      // A [V, r]
+  Tensor succ_codebook_;      // B [V, r]
+  Tensor hidden_projection_;  // [r, H]
+};
+
+}  // namespace dflash
