@@ -24,13 +24,19 @@
 #   attention layers have NO mask; sliding_attention layers are causal with a
 #   window (key allowed iff k_pos <= q_pos and q_pos - k_pos < sliding_window),
 #   as vLLM / SGLang treat them (spec 2.3; the HF reference keeps them
-#   non-causal, an open question).
+#   non-causal, an open question).  `DraftRef.layer_is_causal` and
+#   `attention_mask` keep the causal choice separate from the window so that a
+#   subclass (tests/reference/dflash2_reference.py) can override it.
+# * Extension points for DFlash2: `DraftRef.embedding_scale` (multiplies the
+#   block token embeddings) and `DraftRef.wrap_sublayer` (runs each attention /
+#   MLP sublayer on its normed input; the identity here).
 # * Draft logits: target lm_head on the final-normed rows 1..B-1; row j-1
 #   predicts the token AT block position j (not next-token).
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,16 +48,26 @@ __all__ = [
     "ContextKV",
     "DraftRef",
     "append_context",
+    "as_token_ids",
+    "attention_mask",
     "build_target_layer_ids",
     "draft_forward",
+    "draft_hidden",
     "draft_query",
+    "drafter_fields",
     "greedy_generate_ref",
     "load_drafter",
+    "num_spec_tokens",
     "propose_ref",
+    "read_drafter_checkpoint",
+    "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",
     "spec_generate_ref",
+    "speculative_loop",
+    "target_embed",
     "target_features",
+    "target_lm_head",
 ]
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -102,6 +118,21 @@ class DraftRef:
     def inv_freq(self) -> torch.Tensor:
         return rope_inv_freq(self.rope_theta, self.head_dim)
 
+    @property
+    def embedding_scale(self) -> float:
+        """Factor on the embeddings of the block tokens (1 for DFlash)."""
+        return 1.0
+
+    def layer_is_causal(self, layer_idx: int) -> bool:
+        """DFlash rule (spec 2.3): sliding_attention layers are causal, full layers are not."""
+        return self.layer_types[layer_idx] == "sliding_attention"
+
+    def wrap_sublayer(
+        self, layer_idx: int, kind: str, sublayer: Callable[[torch.Tensor], torch.Tensor], normed: torch.Tensor
+    ) -> torch.Tensor:
+        """Output [B, H] of the `kind` ("attention" / "mlp") sublayer on its normed input [B, H]."""
+        return sublayer(normed)
+
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
     params = cfg.get("rope_parameters") or {}
@@ -129,12 +160,35 @@ def _expected_names(num_layers: int) -> list[str]:
     return names
 
 
-def load_drafter(draft_dir: str | Path) -> DraftRef:
-    """Read config.json + *.safetensors of a DFlashDraftModel checkpoint (weights as fp32)."""
+def read_drafter_checkpoint(draft_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json as a dict, every tensor of its *.safetensors as fp32)."""
     from safetensors.torch import load_file
 
     d = Path(draft_dir)
     cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {d}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update({k: v.to(torch.float32) for k, v in load_file(str(f)).items()})
+    return cfg, weights
+
+
+def load_drafter(draft_dir: str | Path) -> DraftRef:
+    """Read config.json + *.safetensors of a DFlashDraftModel checkpoint (weights as fp32)."""
+    cfg, weights = read_drafter_checkpoint(draft_dir)
+    return DraftRef(**drafter_fields(Path(draft_dir), cfg, weights))
+
+
+def drafter_fields(
+    path: Path, cfg: dict[str, Any], weights: dict[str, torch.Tensor], extra_tensor_names: Iterable[str] = ()
+) -> dict[str, Any]:
+    """The DraftRef fields of a checked DFlash checkpoint.
+
+    The tensor set must be exactly the published DFlash one plus
+    `extra_tensor_names` (which a subclass such as DFlash2's checks itself).
+    """
     dcfg = cfg.get("dflash_config") or {}
     n_layers = int(cfg["num_hidden_layers"])
     n_target = cfg.get("num_target_layers")
@@ -159,13 +213,7 @@ def load_drafter(draft_dir: str | Path) -> DraftRef:
     if "sliding_attention" in layer_types and not window:
         raise ValueError("sliding_attention layers without sliding_window")
 
-    weights: dict[str, torch.Tensor] = {}
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {d}")
-    for f in files:
-        weights.update({k: v.to(torch.float32) for k, v in load_file(str(f)).items()})
-    expected = set(_expected_names(n_layers))
+    expected = set(_expected_names(n_layers)) | set(extra_tensor_names)
     if cfg.get("attention_bias"):
         expected |= {f"layers.{i}.self_attn.{p}_proj.bias" for i in range(n_layers) for p in "qkvo"}
     missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
@@ -174,14 +222,14 @@ def load_drafter(draft_dir: str | Path) -> DraftRef:
     fc_in = weights["fc.weight"].shape[1]
     if weights["fc.weight"].shape[0] != hidden or fc_in % len(ids) != 0:
         raise ValueError(f"fc.weight {tuple(weights['fc.weight'].shape)} does not fit hidden {hidden}, K={len(ids)}")
-    return DraftRef(
-        path=d, num_layers=n_layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, intermediate_size=int(cfg["intermediate_size"]),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(cfg),
-        block_size=int(block_size), mask_token_id=int(mask_id), target_layer_ids=[int(i) for i in ids],
-        num_target_layers=None if n_target is None else int(n_target), layer_types=layer_types,
-        sliding_window=None if window is None else int(window), weights=weights,
-    )
+    return {
+        "path": path, "num_layers": n_layers, "hidden_size": hidden, "num_heads": heads, "num_kv_heads": kv_heads,
+        "head_dim": head_dim, "intermediate_size": int(cfg["intermediate_size"]),
+        "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)), "rope_theta": _rope_theta(cfg),
+        "block_size": int(block_size), "mask_token_id": int(mask_id), "target_layer_ids": [int(i) for i in ids],
+        "num_target_layers": None if n_target is None else int(n_target), "layer_types": layer_types,
+        "sliding_window": None if window is None else int(window), "weights": weights,
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -215,7 +263,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
-def _as_ids(ids: Any) -> torch.Tensor:
+def as_token_ids(ids: Any) -> torch.Tensor:
     t = torch.as_tensor(ids if not isinstance(ids, torch.Tensor) else ids.detach(), dtype=torch.long)
     if t.dim() != 1:
         raise ValueError(f"expected a 1-D sequence of token ids, got shape {tuple(t.shape)}")
@@ -235,7 +283,7 @@ def target_features(
     Returns (logits [S, V] fp32, feats [S, K*Ht] fp32), feats = concat over
     `target_layer_ids` of the pre-final-norm output of each listed layer.
     """
-    ids = _as_ids(input_ids)
+    ids = as_token_ids(input_ids)
     layers = target_model.model.layers
     n_layers = len(layers)
     for lid in target_layer_ids:
@@ -261,11 +309,11 @@ def target_features(
     return out.logits[0].float(), torch.cat(parts, dim=-1)
 
 
-def _embed(target_model: Any, ids: torch.Tensor) -> torch.Tensor:
+def target_embed(target_model: Any, ids: torch.Tensor) -> torch.Tensor:
     return target_model.get_input_embeddings().weight.detach().float()[ids]
 
 
-def _lm_head(target_model: Any, h: torch.Tensor) -> torch.Tensor:
+def target_lm_head(target_model: Any, h: torch.Tensor) -> torch.Tensor:
     head = target_model.get_output_embeddings()
     bias = None if getattr(head, "bias", None) is None else head.bias.detach().float()
     return F.linear(h, head.weight.detach().float(), bias)
@@ -296,7 +344,7 @@ class ContextKV:
 def append_context(drafter: DraftRef, cache: ContextKV, ctx_feats: torch.Tensor, ctx_positions: Any) -> None:
     """Context precompute (spec 2.4): hidden_norm(fc(feats)) -> per-layer k_norm/RoPE K and V, appended."""
     feats = ctx_feats.float()
-    pos = _as_ids(ctx_positions)
+    pos = as_token_ids(ctx_positions)
     if feats.dim() != 2 or feats.shape[0] != pos.numel():
         raise ValueError(f"ctx_feats {tuple(feats.shape)} does not match {pos.numel()} positions")
     if feats.shape[1] != drafter.w("fc.weight").shape[1]:
@@ -316,14 +364,79 @@ def append_context(drafter: DraftRef, cache: ContextKV, ctx_feats: torch.Tensor,
     cache.positions = torch.cat((cache.positions, pos), dim=0)
 
 
-def _attention_mask(
-    layer_type: str, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None
+def attention_mask(
+    layer_type: str, is_causal: bool, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None
 ) -> torch.Tensor | None:
-    """[B, T] bool (True = may attend) or None for full (non-causal) layers."""
-    if layer_type == "full_attention":
-        return None
+    """[Q, T] bool (True = may attend) for query positions [Q] and key positions [T], or None (no mask).
+
+    Causal: k_pos <= q_pos.  sliding_attention layers also keep q_pos - k_pos <
+    window, and, when not causal, k_pos - q_pos < window (a symmetric window).
+    """
     dist = q_pos[:, None] - k_pos[None, :]
-    return (dist >= 0) & (dist < int(window))  # type: ignore[arg-type]
+    mask = None if not is_causal else dist >= 0
+    if layer_type == "sliding_attention":
+        in_window = (dist.abs() if not is_causal else dist) < int(window)  # type: ignore[arg-type]
+        mask = in_window if mask is None else mask & in_window
+    return mask
+
+
+def _attention_sublayer(
+    drafter: DraftRef, layer_idx: int, cache: ContextKV, q_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    normed: torch.Tensor,
+) -> torch.Tensor:
+    """Self-attention of layer `layer_idx` (through o_proj): block rows [B, H] at q_pos [B] over context ++ block."""
+    b, nh, nkv, hd = normed.shape[0], drafter.num_heads, drafter.num_kv_heads, drafter.head_dim
+    eps = drafter.rms_norm_eps
+    sa = f"layers.{layer_idx}.self_attn."
+    q = rms_norm(drafter.linear(normed, sa + "q_proj").view(b, nh, hd), drafter.w(sa + "q_norm.weight"), eps)
+    kb = rms_norm(drafter.linear(normed, sa + "k_proj").view(b, nkv, hd), drafter.w(sa + "k_norm.weight"), eps)
+    vb = drafter.linear(normed, sa + "v_proj").view(b, nkv, hd)
+    q, kb = _apply_rope(q, cos, sin), _apply_rope(kb, cos, sin)
+    rep = nh // nkv
+    keys = torch.cat((cache.keys[layer_idx], kb)).repeat_interleave(rep, dim=1)  # query head j -> kv head j // rep
+    vals = torch.cat((cache.values[layer_idx], vb)).repeat_interleave(rep, dim=1)
+    scores = torch.einsum("bhd,thd->hbt", q, keys) * hd**-0.5
+    k_pos = torch.cat((cache.positions, q_pos))
+    mask = attention_mask(drafter.layer_types[layer_idx], drafter.layer_is_causal(layer_idx), q_pos, k_pos,
+                          drafter.sliding_window)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+    attn = torch.einsum("hbt,thd->bhd", scores.softmax(dim=-1), vals).reshape(b, nh * hd)
+    return drafter.linear(attn, sa + "o_proj")
+
+
+def _mlp_sublayer(drafter: DraftRef, layer_idx: int, normed: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP of layer `layer_idx` on rows [B, H]."""
+    p = f"layers.{layer_idx}.mlp."
+    return drafter.linear(F.silu(drafter.linear(normed, p + "gate_proj")) * drafter.linear(normed, p + "up_proj"),
+                          p + "down_proj")
+
+
+@torch.no_grad()
+def draft_hidden(
+    drafter: DraftRef, target_model: Any, cache: ContextKV, block_ids: Any, block_positions: Any
+) -> torch.Tensor:
+    """Query forward over the B block tokens (spec 2.2); returns the final-normed hidden states [B, H].
+
+    Each layer: x += wrap(attention(input_layernorm(x))), then
+    x += wrap(mlp(post_attention_layernorm(x))), with `drafter.wrap_sublayer`
+    (the identity for DFlash) and `drafter.embedding_scale` on the embeddings.
+    """
+    ids, qpos = as_token_ids(block_ids), as_token_ids(block_positions)
+    if ids.numel() != qpos.numel() or ids.numel() < 1:
+        raise ValueError("block_ids and block_positions must have the same, non-zero length")
+    eps = drafter.rms_norm_eps
+    x = target_embed(target_model, ids) * drafter.embedding_scale
+    if x.shape[1] != drafter.hidden_size:
+        raise ValueError(f"target hidden {x.shape[1]} != drafter hidden {drafter.hidden_size}")
+    cos, sin = rope_cos_sin(drafter.inv_freq, qpos)
+    for i in range(drafter.num_layers):
+        p = f"layers.{i}."
+        attend = functools.partial(_attention_sublayer, drafter, i, cache, qpos, cos, sin)
+        x = x + drafter.wrap_sublayer(i, "attention", attend, rms_norm(x, drafter.w(p + "input_layernorm.weight"), eps))
+        mlp = functools.partial(_mlp_sublayer, drafter, i)
+        x = x + drafter.wrap_sublayer(i, "mlp", mlp, rms_norm(x, drafter.w(p + "post_attention_layernorm.weight"), eps))
+    return rms_norm(x, drafter.w("norm.weight"), eps)
 
 
 @torch.no_grad()
@@ -331,37 +444,7 @@ def draft_query(
     drafter: DraftRef, target_model: Any, cache: ContextKV, block_ids: Any, block_positions: Any
 ) -> torch.Tensor:
     """Query forward over the B block tokens (spec 2.2); returns logits [B-1, V] (rows 1..B-1)."""
-    ids, qpos = _as_ids(block_ids), _as_ids(block_positions)
-    if ids.numel() != qpos.numel() or ids.numel() < 1:
-        raise ValueError("block_ids and block_positions must have the same, non-zero length")
-    b, nh, nkv, hd, eps = ids.numel(), drafter.num_heads, drafter.num_kv_heads, drafter.head_dim, drafter.rms_norm_eps
-    x = _embed(target_model, ids)
-    if x.shape[1] != drafter.hidden_size:
-        raise ValueError(f"target hidden {x.shape[1]} != drafter hidden {drafter.hidden_size}")
-    cos, sin = rope_cos_sin(drafter.inv_freq, qpos)
-    k_pos = torch.cat((cache.positions, qpos))
-    rep = nh // nkv
-    for i in range(drafter.num_layers):
-        p = f"layers.{i}."
-        h = rms_norm(x, drafter.w(p + "input_layernorm.weight"), eps)
-        sa = p + "self_attn."
-        q = rms_norm(drafter.linear(h, sa + "q_proj").view(b, nh, hd), drafter.w(sa + "q_norm.weight"), eps)
-        kb = rms_norm(drafter.linear(h, sa + "k_proj").view(b, nkv, hd), drafter.w(sa + "k_norm.weight"), eps)
-        vb = drafter.linear(h, sa + "v_proj").view(b, nkv, hd)
-        q, kb = _apply_rope(q, cos, sin), _apply_rope(kb, cos, sin)
-        keys = torch.cat((cache.keys[i], kb)).repeat_interleave(rep, dim=1)  # query head j -> kv head j // rep
-        vals = torch.cat((cache.values[i], vb)).repeat_interleave(rep, dim=1)
-        scores = torch.einsum("bhd,thd->hbt", q, keys) * hd**-0.5
-        mask = _attention_mask(drafter.layer_types[i], qpos, k_pos, drafter.sliding_window)
-        if mask is not None:
-            scores = scores.masked_fill(~mask[None], float("-inf"))
-        attn = torch.einsum("hbt,thd->bhd", scores.softmax(dim=-1), vals).reshape(b, nh * hd)
-        x = x + drafter.linear(attn, p + "self_attn.o_proj")
-        h = rms_norm(x, drafter.w(p + "post_attention_layernorm.weight"), eps)
-        x = x + drafter.linear(F.silu(drafter.linear(h, p + "mlp.gate_proj")) * drafter.linear(h, p + "mlp.up_proj"),
-                               p + "mlp.down_proj")
-    x = rms_norm(x, drafter.w("norm.weight"), eps)
-    return _lm_head(target_model, x[1:])
+    return target_lm_head(target_model, draft_hidden(drafter, target_model, cache, block_ids, block_positions)[1:])
 
 
 @torch.no_grad()
@@ -386,7 +469,7 @@ def draft_forward(
     return draft_query(drafter, target_model, cache, block_ids, block_positions)
 
 
-def _num_spec(drafter: DraftRef, num_spec: int | None) -> int:
+def num_spec_tokens(drafter: DraftRef, num_spec: int | None) -> int:
     n = drafter.block_size - 1 if num_spec is None else int(num_spec)
     if n < 0:
         raise ValueError(f"num_spec must be >= 0, got {n}")
@@ -398,8 +481,8 @@ def propose_ref(
     target_model: Any, drafter: DraftRef, prompt_ids: Any, num_spec: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """First draft after prefill (spec 3.5): returns (draft_ids [n], draft_logits [n, V])."""
-    ids = _as_ids(prompt_ids)
-    p, n = ids.numel(), _num_spec(drafter, num_spec)
+    ids = as_token_ids(prompt_ids)
+    p, n = ids.numel(), num_spec_tokens(drafter, num_spec)
     logits, feats = target_features(target_model, ids, drafter.target_layer_ids)
     anchor = int(logits[-1].argmax())
     block = torch.tensor([anchor] + [drafter.mask_token_id] * n, dtype=torch.long)
@@ -411,16 +494,21 @@ def propose_ref(
 # Loops
 
 
+# draft_block(ctx_feats [start, K*Ht], anchor_id, anchor_position, n) -> n draft ids
+DraftBlockFn = Callable[[torch.Tensor, int, int, int], list[int]]
+
+
 @torch.no_grad()
-def spec_generate_ref(
+def speculative_loop(
     target_model: Any,
     drafter: DraftRef,
     prompt_ids: Any,
     max_new_tokens: int,
-    num_spec: int | None = None,
-    eos_ids: Iterable[int] = (),
+    num_spec: int | None,
+    eos_ids: Iterable[int],
+    draft_block: DraftBlockFn,
 ) -> tuple[list[int], list[int]]:
-    """Greedy DFlash draft-verify loop at batch 1 (spec 3.1).
+    """Greedy draft-verify loop at batch 1 (spec 3.1) around any drafter's `draft_block`.
 
     Returns (new tokens, per-step accepted counts).  The first new token comes
     from the prefill; each draft-verify step then emits a accepted drafts + 1
@@ -429,8 +517,8 @@ def spec_generate_ref(
     always len(tokens) == 1 + len(per_step) + sum(per_step) (when tokens is
     non-empty).  Raw acceptance of the last step may be higher than recorded.
     """
-    prompt = _as_ids(prompt_ids).tolist()
-    n = _num_spec(drafter, num_spec)
+    prompt = as_token_ids(prompt_ids).tolist()
+    n = num_spec_tokens(drafter, num_spec)
     eos = {int(e) for e in eos_ids}
     if max_new_tokens <= 0:
         return [], []
@@ -441,12 +529,7 @@ def spec_generate_ref(
     while new[-1] not in eos and len(new) < max_new_tokens:
         start = len(seq) - 1  # position of the anchor = tokens the target has "in cache"
         assert ctx_feats.shape[0] == start, "context must cover exactly the positions before the anchor"
-        drafts: list[int] = []
-        if n > 0:
-            block = torch.tensor([seq[-1]] + [drafter.mask_token_id] * n, dtype=torch.long)
-            dl = draft_forward(drafter, target_model, ctx_feats, torch.arange(start), block,
-                               torch.arange(start, start + n + 1))
-            drafts = [int(t) for t in dl.argmax(dim=-1)]
+        drafts = [int(t) for t in draft_block(ctx_feats, seq[-1], start, n)] if n > 0 else []
         # Verify: causal target over [committed ..., anchor, drafts]; post[j] = target token after block row j.
         v_logits, v_feats = target_features(target_model, seq + drafts, layer_ids)
         post = [int(t) for t in v_logits[start:start + n + 1].argmax(dim=-1)]
@@ -468,11 +551,31 @@ def spec_generate_ref(
 
 
 @torch.no_grad()
+def spec_generate_ref(
+    target_model: Any,
+    drafter: DraftRef,
+    prompt_ids: Any,
+    max_new_tokens: int,
+    num_spec: int | None = None,
+    eos_ids: Iterable[int] = (),
+) -> tuple[list[int], list[int]]:
+    """Greedy DFlash draft-verify loop at batch 1 (spec 3.1): `speculative_loop` with argmax drafts."""
+
+    def argmax_drafts(ctx_feats: torch.Tensor, anchor_id: int, anchor_position: int, n: int) -> list[int]:
+        block = torch.tensor([anchor_id] + [drafter.mask_token_id] * n, dtype=torch.long)
+        logits = draft_forward(drafter, target_model, ctx_feats, torch.arange(anchor_position), block,
+                               torch.arange(anchor_position, anchor_position + n + 1))
+        return [int(t) for t in logits.argmax(dim=-1)]
+
+    return speculative_loop(target_model, drafter, prompt_ids, max_new_tokens, num_spec, eos_ids, argmax_drafts)
+
+
+@torch.no_grad()
 def greedy_generate_ref(
     target_model: Any, prompt_ids: Any, max_new_tokens: int, eos_ids: Iterable[int] = ()
 ) -> list[int]:
     """Plain greedy decoding (full recompute each step); stops after the first EOS or at max_new_tokens."""
-    seq = _as_ids(prompt_ids).tolist()
+    seq = as_token_ids(prompt_ids).tolist()
     eos = {int(e) for e in eos_ids}
     new: list[int] = []
     while len(new) < max_new_tokens:
