@@ -4,7 +4,8 @@
 # greedy output equals target-only greedy output (alone and batched, several drafter
 # geometries); at T > 0 the emitted token follows the target's distribution with the walk's
 # K-candidate proposal q (chi-squared, with and without top-p); seeded runs are identical alone
-# and in a batch; a DFlash2 drafter at its training-time init (identity conv, zero successor
+# and in a batch; Session.propose_details equals the plain-PyTorch reference
+# (tests/reference/dflash2_reference.py: ids equal, scores within 1e-4); a DFlash2 drafter at its training-time init (identity conv, zero successor
 # codebook) drafts exactly what the same backbone drafts as DFlash v1; no KV block leaks.
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 import dflash
 from dflash import _core
 from dflash.drafter_format import write_dflash2_drafter, write_dflash_drafter
-from tests.runtime_helpers import assert_no_leaks, forced_run
+from tests.reference.dflash2_reference import load_drafter2, propose2_ref, spec_generate2_ref
+from tests.runtime_helpers import assert_no_leaks
 from tests.test_dflash_sampling import _chi2_ok, _target_probs
 
 PROMPTS = [[17, 42, 99, 7, 250, 31], [5, 6, 7, 8], list(range(40, 70)), [300, 2, 301, 3, 302]]
@@ -63,6 +65,40 @@ def test_greedy_speculative_output_equals_target_greedy(tmp_path, target, geomet
         assert _greedy(spec, [prompt]) == [want]  # alone
     assert spec.stats()["num_spec_steps"] > 0
     assert_no_leaks(spec)
+
+
+@pytest.mark.parametrize("preset, geometry", [
+    ("llama_gqa", dict(block_size=4, conv_kernel_size=2, conv_group_size=8, selector_top_k=4)),
+    ("qwen3", dict(block_size=5, conv_kernel_size=3, conv_group_size=4, selector_top_k=16, num_layers=2)),
+    ("llama_gqa", dict(block_size=8, conv_kernel_size=2, conv_group_size=16, selector_top_k=32,
+                       output_multiplier=0.3, final_logit_softcapping=4.0, input_embedding_scale=1.25)),
+    ("qwen3", dict(block_size=16, conv_kernel_size=2, conv_group_size=16, selector_top_k=8, dtype="bfloat16")),
+    ("llama_gqa", dict(block_size=6, layer_types=["sliding_attention"], sliding_window=5, is_causal=True,
+                       selector_top_k=6)),
+])
+def test_propose_matches_the_reference(tmp_path, tiny_model_dirs, hf_model, preset, geometry):
+    target = tiny_model_dirs[preset]
+    d = _dflash2(tmp_path, target, seed=7, **geometry)
+    sess = dflash.Session(target, draft=d, device="cpu", num_threads=2)
+    ref = load_drafter2(d)
+    model = hf_model(target)
+    for prompt in PROMPTS[:3]:
+        got = sess.propose_details(prompt)
+        want = propose2_ref(model, ref, prompt)
+        assert got["candidate_ids"].tolist() == want.candidate_ids.tolist()
+        for key, ref_value in (("unary", want.unary), ("edges", want.edges), ("realized", want.realized_rows)):
+            err = float(np.max(np.abs(got[key] - ref_value.numpy())))
+            assert err <= 1e-4, (key, err)
+        assert got["draft_ids"].tolist() == want.draft_ids.tolist()
+    assert_no_leaks(sess)
+
+
+def test_greedy_output_equals_the_reference_loop(tmp_path, tiny_model_dirs, hf_model):
+    target = tiny_model_dirs["qwen3"]
+    d = _dflash2(tmp_path, target, block_size=6, selector_top_k=8, seed=2)
+    sess = dflash.Session(target, draft=d, device="cpu", num_threads=2)
+    tokens, _ = spec_generate2_ref(hf_model(target), load_drafter2(d), PROMPTS[0], 16)
+    assert _greedy(sess, [PROMPTS[0]], max_tokens=16) == [tokens[:16]]
 
 
 def test_identity_init_drafts_like_its_dflash_backbone(tmp_path, target):
