@@ -154,3 +154,71 @@ def test_gil_is_released_during_generation(tiny_model_dirs):
         stop.set()
         t.join()
     assert ticks - before > 0.2 * elapsed / 0.0005 * 0.1, (ticks - before, elapsed)
+
+
+def test_session_without_model_opens_the_default_model(tmp_path, monkeypatch):
+    """Session() is `dflash generate` without --model: the default model, and its drafter by the
+    same rule (the shipped one on CUDA, none on the CPU; "default" / "none" choose)."""
+    import json
+
+    from dflash.default_model import default_model_dir
+    from dflash.drafter_format import write_dflash_drafter
+
+    model = default_model_dir()
+    cfg = json.loads((model / "config.json").read_text())
+    dr = write_dflash_drafter(tmp_path / "d", target_config=cfg, num_layers=1, target_layer_ids=[1, 15, 28],
+                              block_size=4, mask_token_id=16)
+    monkeypatch.setenv("DFLASH_DEFAULT_DRAFTER", str(dr))
+    s = dflash.Session(device="cpu")
+    assert s.model_dir == str(model) and s.draft_dir is None  # target-only on the CPU
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert "Paris" in s.generate(chat, dflash.SamplingParams(max_tokens=16))[0].text
+    assert dflash.Session(device="cpu", draft="default").draft_dir == str(dr)
+    assert dflash.Session(device="cpu", draft="none").draft_dir is None
+    with pytest.raises(ValueError, match="drafter of the default model"):
+        dflash.Session(model, device="cpu", draft="default")
+
+
+def test_draft_rule_shared_by_session_and_cli(tmp_path, monkeypatch):
+    import pathlib
+
+    from dflash.default_model import resolve_draft
+
+    monkeypatch.setenv("DFLASH_DEFAULT_DRAFTER", str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_draft(None, default_model=True, device="cuda") == str(tmp_path)
+    assert resolve_draft(None, default_model=True, device="cpu") is None
+    assert resolve_draft(None, default_model=False, device="cuda") is None
+    assert resolve_draft("default", default_model=True, device="cpu") == str(tmp_path)
+    assert resolve_draft("none", default_model=True, device="cuda") is None
+    assert resolve_draft(pathlib.Path("none"), default_model=False, device="cpu") == "none"  # a Path is a dir
+    assert resolve_draft("some/dir", default_model=False, device="cpu") == "some/dir"
+    monkeypatch.setenv("DFLASH_DEFAULT_DRAFTER", "none")
+    assert resolve_draft(None, default_model=True, device="cuda") is None
+    with pytest.raises(ValueError, match="ships no drafter"):
+        resolve_draft("default", default_model=True, device="cpu")
+
+
+def test_unknown_chat_role_is_a_value_error(tiny_model_dirs, tmp_path):
+    """A ChatML template that renders any role (as SmolLM2's does) still refuses 'wizard'; the
+    known roles pass."""
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_model_dirs["llama_gqa"], tmp_path / "m")
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    cfg_path.write_text(json.dumps(cfg))
+    s = dflash.Session(model, device="cpu", num_threads=2)
+    params = dflash.SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match=r"messages\[1\] has role 'wizard', which is not a chat role; "
+                                         r"allowed roles: system, user, assistant, tool, developer"):
+        s.generate([{"role": "user", "content": "hi"}, {"role": "wizard", "content": "abracadabra"}], params)
+    with pytest.raises(ValueError, match="role 'wizard'"):
+        s.tokenizer.apply_chat_template([{"role": "wizard", "content": "x"}])
+    roles = ["system", "developer", "user", "assistant", "tool", "user"]
+    out = s.generate([{"role": r, "content": "x"} for r in roles], params)
+    assert len(out) == 1
+    assert_no_leaks(s)

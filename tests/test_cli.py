@@ -1,7 +1,9 @@
 # tests/test_cli.py
 #
 # The `dflash` command line: generate (one prompt, a file of prompts with JSON output, the
-# default model with no --model), convert-gguf, and clear errors.
+# default model with no --model), convert-gguf, and clear errors: one `dflash: error:` line and
+# exit status 2 for caller mistakes, finished outputs kept on Ctrl-C (exit 130), a notice for
+# outputs cut at max_model_len.
 from __future__ import annotations
 
 import importlib.util
@@ -96,5 +98,98 @@ def test_default_drafter_of_the_default_model(tmp_path):
     assert "acceptance length (tau)" not in implicit.stderr and "acceptance length (tau)" not in plain.stderr
     assert "target-only decoding on the CPU" in implicit.stderr  # the default says why it does not speculate
     assert "target-only decoding on the CPU" not in plain.stderr and "target-only" not in spec.stderr
+    assert all("bench/results" not in p.stderr for p in (spec, plain, implicit))  # no repository paths
     missing = run("--draft", "default", env=dict(os.environ, DFLASH_DEFAULT_DRAFTER="none"))
     assert missing.returncode != 0 and "ships no drafter" in missing.stderr
+
+
+def _one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dflash: error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_missing_prompt_file_is_a_one_line_error(tiny_model_dirs, tmp_path):
+    missing = tmp_path / "missing.txt"
+    proc = _run("generate", "--model", str(tiny_model_dirs["llama_gqa"]), "--file", str(missing), check=False)
+    _one_line_error(proc, str(missing), "No such file")
+
+
+def test_jsonl_prompt_that_is_not_a_string(tiny_model_dirs, tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "fine"}\n{"prompt": 123}\n')
+    proc = _run("generate", "--model", str(tiny_model_dirs["llama_gqa"]), "--file", str(f), check=False)
+    _one_line_error(proc, f"{f}:2:", "'prompt' must be a non-empty string, got 123 (int)")
+    f.write_text('"just a string"\n')
+    proc = _run("generate", "--model", str(tiny_model_dirs["llama_gqa"]), "--file", str(f), check=False)
+    _one_line_error(proc, f"{f}:1:", "expected a JSON object")
+
+
+def test_unknown_chat_role_is_refused(tiny_model_dirs, tmp_path):
+    f = tmp_path / "chat.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                 + json.dumps({"messages": [{"role": "wizard", "content": "abracadabra"}]}) + "\n")
+    proc = _run("generate", "--model", str(tiny_model_dirs["llama_gqa"]), "--file", str(f), check=False)
+    _one_line_error(proc, f"{f}:2:", "role 'wizard'", "allowed roles: system, user, assistant, tool, developer")
+
+
+def test_caller_mistakes_exit_2(tiny_model_dirs):
+    model = str(tiny_model_dirs["llama_gqa"])
+    _one_line_error(_run("generate", "--model", model, check=False), "give a PROMPT or --file")
+    _one_line_error(_run("generate", "--model", model, "--draft", "default", "hi", check=False),
+                    "drafter of the default model")
+
+
+def test_output_cut_at_max_model_len_is_flagged(tiny_model_dirs):
+    proc = _run("generate", "--model", str(tiny_model_dirs["llama_gqa"]), "--no-chat", "--max-model-len", "12",
+                "--max-tokens", "50", "hello world")
+    notes = [line for line in proc.stderr.splitlines() if "max_model_len" in line]
+    assert len(notes) == 1, proc.stderr
+    assert notes[0].startswith("dflash: output [0] was cut at max_model_len=12") and "'length'" in notes[0]
+    full = _run("generate", "--model", str(tiny_model_dirs["llama_gqa"]), "--no-chat", "--max-tokens", "3", "hi")
+    assert "max_model_len" not in full.stderr  # a max_tokens cut is what was asked for: no notice
+
+
+def _interrupt_after(monkeypatch, num_finished):
+    """Session._generate runs the first prompts for real, then Ctrl-C arrives."""
+    from dflash.session import Session
+
+    real = Session._generate
+
+    def interrupted(self, prompts, params=None, on_finish=None, **kwargs):
+        real(self, prompts[:num_finished], params, on_finish=on_finish, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Session, "_generate", interrupted)
+
+
+def test_ctrl_c_prints_finished_outputs(tiny_model_dirs, tmp_path, monkeypatch, capsys):
+    from dflash import cli
+
+    f = tmp_path / "prompts.txt"
+    f.write_text("hello\nthe sea\nwhat is it\n")
+    _interrupt_after(monkeypatch, 2)
+    base = ["generate", "--model", str(tiny_model_dirs["llama_gqa"]), "--file", str(f), "--max-tokens", "4", "-q"]
+    assert cli.main(base + ["--json"]) == 130
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["index"] for line in out.splitlines()] == [0, 1]
+    assert "dflash: interrupted: 2 of 3 prompt(s) finished" in err and "Traceback" not in err
+    assert cli.main(base) == 130
+    out, err = capsys.readouterr()
+    assert "--- [0]" in out and "--- [1]" in out and "--- [2]" not in out
+    assert err.strip().splitlines()[-1].startswith("dflash: interrupted: 2 of 3")
+
+
+def test_ctrl_c_while_loading_is_one_line(tiny_model_dirs, monkeypatch, capsys):
+    from dflash import cli
+    from dflash.session import Session
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Session, "__init__", interrupted)
+    assert cli.main(["generate", "--model", str(tiny_model_dirs["llama_gqa"]), "hi"]) == 130
+    assert capsys.readouterr().err == "dflash: interrupted\n"

@@ -8,78 +8,78 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 def _read_prompts(path: str) -> List[Any]:
-    """One prompt per line; a .jsonl file holds {"prompt": str} or {"messages": [...]} lines."""
+    """One prompt per line; a .jsonl file holds {"prompt": str} or {"messages": [...]} lines.
+    A missing file or a malformed line is a ValueError naming the file (and line)."""
+    from dflash.tokenizer import validate_chat_messages
+
     prompts: List[Any] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if path.endswith(".jsonl"):
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SystemExit(f"dflash: {path}:{n}: invalid JSON: {e}")
-                if "messages" in obj:
-                    prompts.append(obj["messages"])
-                elif "prompt" in obj:
-                    prompts.append(obj["prompt"])
-                else:
-                    raise SystemExit(f"dflash: {path}:{n}: expected a 'prompt' or 'messages' key")
-            else:
-                prompts.append(line.replace("\\n", "\n"))
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f]
+    except OSError as e:
+        raise ValueError(f"--file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not path.endswith(".jsonl"):
+            prompts.append(line.replace("\\n", "\n"))
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: invalid JSON: {e}") from None
+        if isinstance(obj, dict) and "messages" in obj:
+            try:
+                validate_chat_messages(obj["messages"])
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+            prompts.append(obj["messages"])
+        elif isinstance(obj, dict) and "prompt" in obj:
+            prompt = obj["prompt"]
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"{path}:{n}: 'prompt' must be a non-empty string, got {prompt!r} "
+                                 f"({type(prompt).__name__}); for chat messages use a 'messages' key")
+            prompts.append(prompt)
+        else:
+            raise ValueError(f"{path}:{n}: expected a JSON object with a 'prompt' (str) or 'messages' "
+                             f"(list of {{'role', 'content'}}) key, got {line[:60]}")
     return prompts
 
 
-def _resolve_draft(args: argparse.Namespace) -> Optional[str]:
-    """--draft DIR | default | none; unset: the default model's shipped drafter on CUDA only (on a
-    small CPU the multi-row verify is compute-bound and DFlash measured slower than AR:
-    bench/results/cpu_smollm2_dflash_e2e.json)."""
-    from dflash.default_model import default_drafter_dir
-    from dflash.session import _resolve_device
-
-    if args.draft == "none":
-        return None
-    if args.draft not in (None, "default"):
-        return args.draft
-    if args.draft == "default" and args.model is not None:
-        raise SystemExit("dflash generate: --draft default is the drafter of the default model; "
-                         "with --model give a drafter directory")
-    if args.model is not None:
-        return None
-    shipped = default_drafter_dir()
-    if args.draft == "default":
-        if shipped is None:
-            raise SystemExit("dflash generate: --draft default: this package ships no drafter for the default model")
-        return str(shipped)
-    return str(shipped) if shipped is not None and _resolve_device(args.device) == "cuda" else None
+def _print_outputs(args: argparse.Namespace, outputs: Dict[int, Any], num_prompts: int) -> None:
+    for i in sorted(outputs):
+        out = outputs[i]
+        if args.json:
+            print(json.dumps({"index": i, "text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason,
+                              "metrics": vars(out.metrics)}, ensure_ascii=False))
+        else:
+            if num_prompts > 1:
+                print(f"--- [{i}] ({out.finish_reason})")
+            print(out.text)
+    sys.stdout.flush()
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     import dflash
 
-    if args.model is None:
-        from dflash.default_model import default_model_dir
-
-        model_dir = str(default_model_dir())
-    else:
-        model_dir = args.model
     if (args.prompt is None) == (args.file is None):
-        raise SystemExit("dflash generate: give a PROMPT or --file FILE (one of the two)")
+        raise ValueError("generate: give a PROMPT or --file FILE (one of the two)")
     prompts: List[Any] = [args.prompt] if args.prompt is not None else _read_prompts(args.file)
     kwargs = {}
-    draft = _resolve_draft(args)
-    if draft is not None:
-        kwargs["draft"] = draft
     if args.num_speculative_tokens:
         kwargs["num_speculative_tokens"] = args.num_speculative_tokens
     if args.threads:
         kwargs["num_threads"] = args.threads
-    session = dflash.Session(model_dir, device=args.device, max_model_len=args.max_model_len, **kwargs)
+    # model None: the default model; the drafter follows Session's rule (resolve_draft).
+    session = dflash.Session(args.model, draft=args.draft, device=args.device,
+                             max_model_len=args.max_model_len, **kwargs)
     use_chat = args.chat if args.chat is not None else session.tokenizer.has_chat_template
     if use_chat:
         prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
@@ -96,42 +96,55 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr)
+    done: Dict[int, Any] = {}  # kept as they finish, so Ctrl-C loses none of them
+
+    def on_finish(index: int, out: Any) -> None:
+        done[index] = out
+        if bar is not None:
+            bar.update(1)
+
     start = time.perf_counter()
-    outputs = session._generate(prompts, params, on_finish=(lambda _o: bar.update(1)) if bar else None)
+    interrupted = False
+    try:
+        session._generate(prompts, params, on_finish=on_finish)
+    except KeyboardInterrupt:
+        interrupted = True
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    for i, out in enumerate(outputs):
-        if args.json:
-            print(json.dumps({"index": i, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason,
-                              "metrics": vars(out.metrics)}, ensure_ascii=False))
-        else:
-            if len(outputs) > 1:
-                print(f"--- [{i}] ({out.finish_reason})")
-            print(out.text)
+    _print_outputs(args, done, len(prompts))
+    max_model_len = session.stats()["max_model_len"]
+    for i in sorted(done):
+        out = done[i]
+        if out.finish_reason == "length" and len(out.token_ids) < params.max_tokens:
+            print(f"dflash: output [{i}] was cut at max_model_len={max_model_len} ({out.metrics.prompt_tokens} "
+                  f"prompt + {len(out.token_ids)} generated tokens; finish_reason {out.finish_reason!r})",
+                  file=sys.stderr)
+    if interrupted:
+        print(f"dflash: interrupted: {len(done)} of {len(prompts)} prompt(s) finished, printed above",
+              file=sys.stderr)
+        return 130
+    outputs = [done[i] for i in sorted(done)]
     n_gen = sum(len(o.token_ids) for o in outputs)
     n_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     decode = [o.metrics.decode_tokens_per_s for o in outputs if o.metrics.decode_tokens_per_s > 0]
     ttft = [o.metrics.time_to_first_token for o in outputs]
-    sys.stdout.flush()
     if not args.quiet:
+        st = session.stats()
         print(
             f"dflash: {len(outputs)} prompt(s), {n_prompt} prompt tokens, {n_gen} generated tokens "
             f"in {elapsed:.2f} s: {n_gen / elapsed:.1f} tokens/s overall; per request: "
             f"decode {sum(decode) / max(len(decode), 1):.1f} tokens/s, "
             f"time to first token {sum(ttft) / max(len(ttft), 1) * 1000:.0f} ms "
-            f"[{session.stats()['device']}]",
+            f"[{st['device']}]",
             file=sys.stderr,
         )
-        st = session.stats()
-        if draft is None and args.draft is None and args.model is None and st["device"] == "cpu":
+        if session.draft_dir is None and args.draft is None and args.model is None and st["device"] == "cpu":
             from dflash.default_model import default_drafter_dir
 
             if default_drafter_dir() is not None:  # the shipped drafter exists but is not used here
                 print("dflash: target-only decoding on the CPU: the shipped DFlash drafter measured 0.89x "
-                      "target-only speed on a 2-vCPU machine (bench/results/cpu_smollm2_dflash_e2e.json); "
-                      "--draft default uses it anyway", file=sys.stderr)
+                      "target-only speed on a 2-vCPU machine; --draft default uses it anyway", file=sys.stderr)
         if st["num_spec_steps"]:
             per_pos = st["accepted_per_position"]
             rates = " ".join(f"{c / st['num_spec_steps']:.2f}" for c in per_pos)
@@ -372,6 +385,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # `generate` keeps its finished outputs itself; elsewhere: one line
+        print("dflash: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, FileExistsError) as e:
         print(f"dflash: error: {e}", file=sys.stderr)
         return 2

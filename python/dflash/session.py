@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from dflash import _core
+from dflash.default_model import default_model_dir, resolve_draft
 from dflash.outputs import RequestMetrics, RequestOutput
 from dflash.params import SamplingParams
 from dflash.tokenizer import Tokenizer
@@ -69,12 +70,18 @@ def _resolve_device(device: str) -> str:
 class Session:
     """A loaded model ready to generate.
 
-    Session(model_dir, *, device="auto", max_model_len=None, kv_cache_tokens=None, **kwargs)
+    Session(model_dir=None, *, draft=None, device="auto", max_model_len=None, kv_cache_tokens=None,
+            **kwargs)
 
-    model_dir: a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+    model_dir: a Hugging Face model directory (config.json, *.safetensors, tokenizer.json); None:
+        the default model (SmolLM2-135M-Instruct, fetched and converted once into the user cache,
+        as `dflash generate` without --model does).
     draft: a DFlash drafter directory (z-lab DFlashDraftModel format): generation then uses
         speculative decoding (lossless: greedy output equals the target's greedy output,
-        sampling follows the target's distribution).
+        sampling follows the target's distribution). "default": the drafter shipped for the
+        default model; "none": no drafter. Unset (None): with the default model, the shipped
+        drafter on CUDA and none on the CPU; with a model_dir, none (`dflash generate --draft`
+        follows the same rule).
     num_speculative_tokens: draft tokens per step, 1..block_size-1 (default block_size-1).
     device: "cpu", "cuda" or "auto" (CUDA when this build has it, else the CPU).
     max_model_len: longest prompt + generation (default: the model's max_position_embeddings).
@@ -86,13 +93,14 @@ class Session:
         start-up, one per padded batch size; default True, False runs them eagerly; True on the
         CPU is a ValueError), async_decode (default False: pipelined target-only decoding; each
         step launches the next before reading its own tokens, so host work between steps overlaps
-        the device; outputs are the same; with a draft model it is a ValueError). Unknown
+        the device; outputs are the same; with a draft model it is a ValueError, and without a
+        model_dir or draft it turns the implicit default drafter off). Unknown
         keywords raise TypeError.
     """
 
     def __init__(
         self,
-        model_dir: Union[str, os.PathLike],
+        model_dir: Optional[Union[str, os.PathLike]] = None,
         *,
         draft: Optional[Union[str, os.PathLike]] = None,
         num_speculative_tokens: Optional[int] = None,
@@ -104,16 +112,20 @@ class Session:
         unknown = sorted(set(kwargs) - set(_RUNTIME_KWARGS))
         if unknown:
             raise TypeError(f"Session() got unexpected keyword argument(s): {', '.join(unknown)}")
+        config = _core.SessionConfig()
+        config.device = _resolve_device(device)
+        if draft is None and kwargs.get("async_decode") is True:
+            draft = "none"  # pipelined target-only decoding asked for: no implicit default drafter
+        draft = resolve_draft(draft, default_model=model_dir is None, device=config.device)
+        if model_dir is None:
+            model_dir = default_model_dir()
         model_dir = os.fspath(model_dir)
         if not os.path.isdir(model_dir):
             raise ValueError(f"model directory not found: {model_dir}")
-        config = _core.SessionConfig()
-        config.device = _resolve_device(device)
         for name, value in (("max_model_len", max_model_len), ("kv_cache_tokens", kv_cache_tokens)):
             if value is not None:
                 setattr(config, name, _positive_int(name, value))
         if draft is not None:
-            draft = os.fspath(draft)
             if not os.path.isdir(draft):
                 raise ValueError(f"draft model directory not found: {draft}")
             config.draft_dir = draft
@@ -213,7 +225,10 @@ class Session:
 
         prompts: a str, a list of str, a list of token-id lists, or chat messages (a list of
         {"role", "content"} dicts, or a list of such lists), rendered with the model's chat
-        template. params: one SamplingParams for all prompts, or one per prompt.
+        template. A str is raw text, tokenized as is: a completion for a base model; an
+        instruct model (the default one) wants chat messages, and given a bare question it
+        may end its turn at once (empty text). params: one SamplingParams for all prompts, or
+        one per prompt.
         """
         return self._generate(prompts, params)
 
@@ -221,7 +236,7 @@ class Session:
         self,
         prompts: Any,
         params: Any = None,
-        on_finish: Optional[Callable[[RequestOutput], None]] = None,
+        on_finish: Optional[Callable[[int, RequestOutput], None]] = None,
         request_hooks: Optional[Callable[[Any], None]] = None,
         results: Optional[List[Any]] = None,
     ) -> List[RequestOutput]:
@@ -298,7 +313,7 @@ class Session:
         if results is not None:
             results.append(result)
         if on_finish is not None:
-            on_finish(out)
+            on_finish(entry.index, out)
 
     def _tokens_through_stop(self, entry: _Live, stops: Sequence[str], start: int) -> int:
         """The fewest generated tokens whose text contains a stop string: a speculative step may

@@ -27,7 +27,7 @@ from typing import Any
 
 from .errors import DFlashError
 
-__all__ = ["Tokenizer", "IncrementalDecoder"]
+__all__ = ["Tokenizer", "IncrementalDecoder", "CHAT_ROLES", "validate_chat_messages"]
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -51,6 +51,9 @@ _EXTRA_SPECIAL_KEYS: tuple[str, ...] = ("extra_special_tokens", "additional_spec
 _REASONING_FIELDS: tuple[str, ...] = ("reasoning_content", "thinking", "reasoning")
 _REPLACEMENT_CHAR = "\ufffd"
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# The message roles of chat templates (OpenAI's and Hugging Face's vocabulary). ChatML templates
+# such as SmolLM2's render any role string verbatim, so a typo would reach the model silently.
+CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool", "developer")
 
 
 # ----------------------------------------------------------------------------
@@ -375,6 +378,21 @@ def _validate_messages(messages: Any) -> None:
             )
 
 
+def _check_roles(messages: Sequence[Mapping[str, Any]]) -> None:
+    for index, message in enumerate(messages):
+        role = message["role"]
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{index}] has role {role!r}, which is not a chat role; "
+                             f"allowed roles: {', '.join(CHAT_ROLES)}")
+
+
+def validate_chat_messages(messages: Any) -> None:
+    """Raise ValueError unless `messages` is a conversation apply_chat_template accepts before
+    rendering: a non-empty list of {"role", "content"} dicts with roles from CHAT_ROLES."""
+    _validate_messages(messages)
+    _check_roles(messages)
+
+
 def _normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:
     """Drop None-valued keys and alias reasoning fields, as transformers 5 does."""
     out = {k: v for k, v in _plain(message).items() if v is not None}
@@ -611,7 +629,7 @@ class Tokenizer:
         `chat_template` picks a named template of the model, or is itself a
         template source (as in transformers).  Extra keyword arguments become
         template variables (e.g. `enable_thinking=False`), overriding the
-        special-token variables.
+        special-token variables.  Roles outside CHAT_ROLES raise ValueError.
         """
         import jinja2
 
@@ -622,7 +640,7 @@ class Tokenizer:
         template = self._template_for(chat_template, tools)
         variables: dict[str, Any] = {**self._special, **_plain(template_kwargs)}
         try:
-            return template.render(
+            text = template.render(
                 messages=[_normalize_message(m) for m in messages],
                 tools=_plain(tools),
                 documents=_plain(documents),
@@ -631,6 +649,10 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+        # After rendering: a template that checks roles itself has the first word (its message
+        # is kept); one that renders any role (ChatML) is held to CHAT_ROLES here.
+        _check_roles(messages)
+        return text
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
