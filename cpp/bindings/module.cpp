@@ -98,6 +98,36 @@ nb::object cpu_linear(const F32Array& x, const F32Array& w, int num_threads) {
   return to_numpy_2d(out, static_cast<int64_t>(w.shape(0)));
 }
 
+// The CPU backend's DFlash2 top-K: (ids [R * K] int32, unary [R, K]), for
+// kernel tests (ties, -inf and NaN rows).
+nb::object cpu_topk_candidates(const F32Array& logits, int64_t k, float multiplier, float softcap) {
+  DFLASH_ARG_CHECK(logits.ndim() == 2 && k >= 1 && k <= static_cast<int64_t>(logits.shape(1)),
+                   "topk_candidates: logits [R, V] and 1 <= k <= V");
+  CpuBackend backend(1);
+  const int64_t rows = logits.shape(0);
+  Tensor ids = backend.empty({rows, k}, DType::kI32), unary = backend.empty({rows, k}, DType::kF32);
+  backend.topk_candidates(wrap(logits, DType::kF32), k, multiplier, softcap, ids, unary);
+  std::vector<int32_t> id_list(ids.ptr<int32_t>(), ids.ptr<int32_t>() + rows * k);
+  std::vector<float> values(unary.ptr<float>(), unary.ptr<float>() + rows * k);
+  return nb::make_tuple(nb::cast(id_list), to_numpy_2d(values, k));
+}
+
+// The CPU backend's grouped dynamic conv (one side), for kernel tests: out [N, H].
+nb::object cpu_grouped_conv(const F32Array& x, const F32Array& base, const F32Array& deltas, int64_t side,
+                            int64_t block, int64_t group) {
+  DFLASH_ARG_CHECK(x.ndim() == 2 && base.ndim() == 3 && deltas.ndim() == 2 && group >= 1 &&
+                       x.shape(1) % group == 0 && block >= 1 && x.shape(0) % block == 0 &&
+                       base.shape(0) == 2 && base.shape(2) == x.shape(1) && deltas.shape(0) == x.shape(0) &&
+                       deltas.shape(1) == 2 * base.shape(1) * (x.shape(1) / group) && (side == 0 || side == 1),
+                   "grouped_conv: x [N, H], base [2, T, H], deltas [N, 2 T H / group], N a multiple of block");
+  CpuBackend backend(1);
+  Tensor out = backend.empty({static_cast<int64_t>(x.shape(0)), static_cast<int64_t>(x.shape(1))}, DType::kF32);
+  backend.grouped_conv(wrap(x, DType::kF32), wrap(base, DType::kF32), wrap(deltas, DType::kF32), side, block,
+                       group, out);
+  std::vector<float> values(out.ptr<float>(), out.ptr<float>() + out.numel());
+  return to_numpy_2d(values, static_cast<int64_t>(x.shape(1)));
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -122,6 +152,10 @@ NB_MODULE(_core, m) {
   testing.def("cpu_paged_attention", &cpu_paged_attention, "q"_a, "k_pool"_a, "v_pool"_a,
               "query_start"_a, "kv_len"_a, "block_table"_a, "causal"_a,
               "The CPU backend's paged attention; returns [T, nh * hd].");
+  testing.def("cpu_topk_candidates", &cpu_topk_candidates, "logits"_a, "k"_a, "multiplier"_a = 1.0f,
+              "softcap"_a = 0.0f, "The CPU backend's DFlash2 top-K: (ids [R * K], unary [R, K]).");
+  testing.def("cpu_grouped_conv", &cpu_grouped_conv, "x"_a, "base"_a, "deltas"_a, "side"_a, "block"_a, "group"_a,
+              "The CPU backend's DFlash2 grouped dynamic conv (one side): out [N, H].");
   testing.def("cpu_linear", &cpu_linear, "x"_a, "w"_a, "num_threads"_a = 2,
               "The CPU backend's linear layer x @ w.T (DFLASH_CPU_GEMM picks the kernel).");
   nb::class_<BlockAllocator>(testing, "BlockAllocator")
