@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(REPO_ROOT / "bench" / "results" / "cpu_smollm2_contention.json"))
+    ap.add_argument("--label", default="", help="what build this is (recorded in the JSON)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ready", help=argparse.SUPPRESS)
     ap.add_argument("--go", help=argparse.SUPPRESS)
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "machine": {"cpu_count": cores, "platform": platform.platform(), "processor": platform.processor()},
+        "label": args.label,
+        "dflash_module": __import__("dflash").__file__,
         "new_tokens": args.new_tokens,
         "summary": summary,
         "runs": runs,
