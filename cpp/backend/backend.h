@@ -219,13 +219,21 @@ class Backend {
                             Tensor& realized) {
     unsupported("lattice_walk");
   }
-  // accept() with the walk's proposal: q[b, j] = softmax(realized[b, j, :] / T) over ids[b, j, :]
+  // accept() with the drafter's proposal: q[b, j] = softmax(realized[b, j, :] / T) over ids[b, j, :]
   // (exact rejection sampling: accept x if u q(x) < p(x), else draw from norm(max(p - q, 0)); the
-  // bonus from p after a full accept); greedy (T = 0) rows as accept().
+  // bonus from p after a full accept); greedy (T = 0) rows as accept(). Empty ids: dense rows,
+  // realized[b, j, :] over the whole vocabulary (DFlash's probabilistic drafts).
   virtual void accept_candidates(const Tensor& drafts, const Tensor& ids, const Tensor& realized,
                                  const Tensor& logits, const Tensor& params, Tensor& num_accepted,
                                  Tensor& next_token) {
     unsupported("accept_candidates");
+  }
+
+  // Probabilistic DFlash drafts: drafts[b * n + j] from logits[b * n + j, :] (fp32) with
+  // params[b] (position = the first draft's): a Gumbel-max draw from softmax(logits / T) keyed by
+  // (seed, position + j, token id) on the draft stream; the argmax at T = 0.
+  virtual void sample_drafts(const Tensor& logits, const Tensor& params, int64_t n, Tensor& drafts) {
+    unsupported("sample_drafts");
   }
 
   // --- Host staging and copies on the backend's stream (plain memcpy on the CPU) ---
@@ -252,8 +260,8 @@ class Backend {
 
  protected:
   [[noreturn]] void unsupported(const char* op) const {
-    throw Error(detail::concat("the ", name(), " backend has no ", op, " op (DFlash2 runs on the CPU backend only in "
-                               "this version)"));
+    throw Error(detail::concat("the ", name(), " backend has no ", op, " op (DFlash2 and probabilistic "
+                               "DFlash drafts run on the CPU backend only in this version)"));
   }
 };
 

@@ -192,6 +192,7 @@ NB_MODULE(_core, m) {
       .def_rw("gpu_memory_utilization", &SessionConfig::gpu_memory_utilization)
       .def_rw("cuda_graphs", &SessionConfig::cuda_graphs)
       .def_rw("async_decode", &SessionConfig::async_decode)
+      .def_rw("draft_sampling", &SessionConfig::draft_sampling)
       .def_rw("pad_decode_batches", &SessionConfig::pad_decode_batches);
 
   nb::class_<SamplingConfig>(m, "SamplingConfig")

@@ -99,14 +99,14 @@ void DFlash2Drafter::propose(const DeviceBatch& batch, KVPool& pool, const Tenso
   Tensor logits = backend_.empty({rows, target_.lm_head().dim(0)}, DType::kF32);
   backend_.linear(picked, target_.lm_head(), logits);
   Tensor ids = out.cand_ids.reshape({r, n, k});
-  Tensor unary = out.unary.numel() == rows * k ? out.unary : backend_.empty({rows, k}, DType::kF32);
+  Tensor unary = !out.unary.shape.empty() ? out.unary : backend_.empty({rows, k}, DType::kF32);
   Tensor flat_ids = ids.reshape({rows, k});
   backend_.topk_candidates(logits, k, static_cast<float>(c.output_multiplier),
                            static_cast<float>(c.final_logit_softcapping), flat_ids, unary);
   // Edges from the context gate at each slot, then the walk.
   Tensor gate = backend_.empty({rows, c.selector_rank}, DType::kF32);
   backend_.linear(picked, hidden_projection_, gate);
-  Tensor edges = out.edges.numel() == rows * k * k ? out.edges : backend_.empty({r, n, k, k}, DType::kF32);
+  Tensor edges = !out.edges.shape.empty() ? out.edges : backend_.empty({r, n, k, k}, DType::kF32);
   backend_.edge_scores(ids, unary.reshape({r, n, k}), gate.reshape({r, n, c.selector_rank}), anchors,
                        pred_codebook_, succ_codebook_, edges);
   backend_.lattice_walk(edges, ids, params, out.drafts, out.realized);

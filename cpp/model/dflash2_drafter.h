@@ -20,6 +20,7 @@ class DFlash2Drafter : public DFlashDrafter {
   DFlash2Drafter(const DraftConfig& config, const std::string& draft_dir, Backend& backend,
                  const Transformer& target, const std::string& target_dir);
 
+  ProposalKind proposal_kind() const override { return ProposalKind::kCandidates; }
   int64_t proposal_width() const override { return config_.dflash2.selector_top_k; }
   void propose(const DeviceBatch& batch, KVPool& pool, const Tensor& anchors, const Tensor& params,
                DraftOutputs& out) override;

@@ -183,11 +183,27 @@ Tensor DFlashDrafter::draft(const DeviceBatch& batch, KVPool& pool, DType logits
 
 Tensor DFlashDrafter::draft_logits(const DeviceBatch& batch, KVPool& pool) { return draft(batch, pool, DType::kF32); }
 
+void DFlashDrafter::set_probabilistic(bool on) {
+  DFLASH_ARG_CHECK(!on || config_.arch == DraftArch::kDFlash, config_.path,
+                   ": draft_sampling='probabilistic' applies to DFlash (v1) drafters; a DFlash2 drafter walks its "
+                   "candidates (greedy at temperature 0, sampled above)");
+  probabilistic_ = on;
+}
+
 void DFlashDrafter::propose(const DeviceBatch& batch, KVPool& pool, const Tensor& anchors, const Tensor& params,
                             DraftOutputs& out) {
-  Tensor logits = draft(batch, pool, backend_.compute_dtype());
   Tensor drafts = out.drafts.reshape({out.drafts.numel()});
-  backend_.argmax(logits, drafts);
+  if (!probabilistic_) {
+    backend_.argmax(draft(batch, pool, backend_.compute_dtype()), drafts);
+    return;
+  }
+  const int64_t rows = batch.num_logit_rows(), n = rows / batch.meta.num_seqs;
+  Tensor logits = draft(batch, pool, DType::kF32);
+  DFLASH_CHECK(out.realized.numel() == logits.numel(), "probabilistic drafts: the proposal buffer holds ",
+               out.realized.numel(), " values for ", shape_str(logits.shape), " logits");
+  backend_.sample_drafts(logits, params, n, drafts);
+  Tensor q = out.realized.reshape({rows, logits.dim(1)});
+  backend_.copy_columns(logits, q, 0);
 }
 
 }  // namespace dflash

@@ -34,7 +34,12 @@ class DFlashDrafter : public Drafter {
   // One GEMM for fc, one for the stacked K/V of all layers, one fused norm/RoPE/write kernel.
   void update_context(const Tensor& taps, const Tensor& positions, const Tensor& slots, KVPool& pool) override;
 
-  // Greedy drafts: the argmax of each draft logit row (computed in the compute dtype).
+  // Drafts: the argmax of each draft logit row (computed in the compute dtype); with
+  // probabilistic drafts, a draw from softmax(logits / T) per draft at T > 0 (on its own random
+  // stream), the logits [R, n, V] being the proposal (ProposalKind::kDense).
+  void set_probabilistic(bool on);
+  ProposalKind proposal_kind() const override { return probabilistic_ ? ProposalKind::kDense : ProposalKind::kOneHot; }
+  int64_t proposal_width() const override { return probabilistic_ ? target_.config().vocab_size : 0; }
   void propose(const DeviceBatch& batch, KVPool& pool, const Tensor& anchors, const Tensor& params,
                DraftOutputs& out) override;
   Tensor draft_logits(const DeviceBatch& batch, KVPool& pool) override;
@@ -63,6 +68,7 @@ class DFlashDrafter : public Drafter {
   Tensor kv_stacked_;      // [L * 2 nkv hd, H]: per layer k_proj then v_proj
   Tensor k_norm_stacked_;  // [L * hd] or empty
   size_t weight_bytes_ = 0;
+  bool probabilistic_ = false;
 };
 
 }  // namespace dflash

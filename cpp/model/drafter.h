@@ -16,11 +16,17 @@
 
 namespace dflash {
 
+// How a drafter's drafts are verified: one-hot proposals (argmax drafts, accept()), K
+// candidates per draft with their scores (DFlash2's walk), or a dense distribution over the
+// vocabulary per draft (DFlash's probabilistic drafts).
+enum class ProposalKind { kOneHot, kCandidates, kDense };
+
 // Where propose() writes (device tensors owned by the caller, e.g. a decode program's buffers).
 struct DraftOutputs {
   Tensor drafts;  // [R, n] int32
-  // With proposal_width() = K > 0: the proposal q of draft j of request r is
-  // softmax(realized[r, j, :] / T) over cand_ids[r, j, :] (T = the request's temperature).
+  // kCandidates: the proposal q of draft j of request r is softmax(realized[r, j, :] / T) over
+  // cand_ids[r, j, :] (T = the request's temperature); kDense: softmax(realized[r, j, :] / T)
+  // over the vocabulary (cand_ids unused). K = proposal_width().
   Tensor cand_ids;  // [R, n, K] int32
   Tensor realized;  // [R, n, K] fp32
   // Optional (inspection; empty: not written): DFlash2's unary scores [R, n, K] and edge scores
@@ -42,7 +48,9 @@ class Drafter {
   // The same with positions, slots [C] int32 already on the backend.
   virtual void update_context(const Tensor& taps, const Tensor& positions, const Tensor& slots, KVPool& pool) = 0;
 
-  // K of the proposal rows propose() writes; 0: the drafts are one-hot proposals (argmax).
+  virtual ProposalKind proposal_kind() const { return ProposalKind::kOneHot; }
+  // K of the proposal rows propose() writes (kCandidates: candidates per draft; kDense: the
+  // vocabulary size); 0 for one-hot proposals.
   virtual int64_t proposal_width() const { return 0; }
   // Drafts for the R blocks of `batch`: batch.token_ids holds each request's block [anchor,
   // mask x n] at positions q0 .. q0 + n (kv_len = q0 + n + 1, slots for the block rows),

@@ -82,9 +82,9 @@ DecodePrograms::DecodePrograms(Backend& backend, Transformer& target, KVPool& ta
   }
   if (n_ > 0) proposed_ = backend_.zeros({bmax * n_}, DType::kI32);
   const int64_t k = drafter_ ? drafter_->proposal_width() : 0;
-  if (k > 0) {
+  if (k > 0) realized_ = backend_.zeros({bmax * n_ * k}, DType::kF32);
+  if (drafter_ && drafter_->proposal_kind() == ProposalKind::kCandidates) {
     cand_ids_ = backend_.zeros({bmax * n_ * k}, DType::kI32);
-    realized_ = backend_.zeros({bmax * n_ * k}, DType::kF32);
   }
 }
 
@@ -137,8 +137,8 @@ void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b, int sl
     DFLASH_CHECK(row.feed < 0 || (config_.feed && n == 0), "a fed anchor needs an AR program built with feed");
     h[in_feed_ + r] = row.feed;
     h[in_anchors_ + r] = row.anchor;
-    DFLASH_CHECK(!row.override_drafts || !drafter_ || drafter_->proposal_width() == 0,
-                 "override drafts (a test hook) are one-hot proposals; this drafter proposes K-candidate rows");
+    DFLASH_CHECK(!row.override_drafts || !drafter_ || drafter_->proposal_kind() == ProposalKind::kOneHot,
+                 "override drafts (a test hook) are one-hot proposals; this drafter proposes distributions");
     SampleRow s = real ? row.sample : SampleRow{};
     if (!real) s.position = 1;
     const SampleParamsPacked p = sample_params_pack(s);
@@ -199,12 +199,11 @@ void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
   d.meta.causal = false;
   d.logit_rows = field(in_logit_rows_, b * n);
   const int64_t k = drafter_->proposal_width();
+  const ProposalKind kind = drafter_->proposal_kind();
   DraftOutputs proposal;
   proposal.drafts = proposed_.rows(0, b * n).reshape({b, n});
-  if (k > 0) {
-    proposal.cand_ids = cand_ids_.rows(0, b * n * k).reshape({b, n, k});
-    proposal.realized = realized_.rows(0, b * n * k).reshape({b, n, k});
-  }
+  if (kind != ProposalKind::kOneHot) proposal.realized = realized_.rows(0, b * n * k).reshape({b, n, k});
+  if (kind == ProposalKind::kCandidates) proposal.cand_ids = cand_ids_.rows(0, b * n * k).reshape({b, n, k});
   drafter_->propose(d, *draft_pool_, field(in_anchors_, b), params, proposal);
   Tensor proposed = proposal.drafts;
   Tensor drafts = out_field(out_drafts_, b * n).reshape({b, n});
@@ -222,7 +221,7 @@ void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
   ForwardResult fwd = target_.forward(v, target_pool_);
   mark(1);
   Tensor accepted = out_field(out_accepted_, b), next = out_field(out_next_, b);
-  if (k > 0) {
+  if (kind != ProposalKind::kOneHot) {  // cand_ids empty for dense proposals
     backend_.accept_candidates(drafts, proposal.cand_ids, proposal.realized, fwd.logits, params, accepted, next);
   } else {
     backend_.accept(drafts, fwd.logits, params, accepted, next);

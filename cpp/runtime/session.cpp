@@ -1,6 +1,8 @@
 // Session construction (config, weights, backend, KV cache sizing) and result collection.
 #include "runtime/session.h"
 
+#include "model/dflash_drafter.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -78,6 +80,19 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   model_ = std::make_unique<Transformer>(config_, *checkpoint_, *backend_, taps);
   if (!config.draft_dir.empty()) {
     drafter_ = drafter_create(draft_config, config.draft_dir, *backend_, *model_, model_dir);
+  }
+  DFLASH_ARG_CHECK(config.draft_sampling == "greedy" || config.draft_sampling == "probabilistic",
+                   "draft_sampling must be 'greedy' or 'probabilistic', got '", config.draft_sampling, "'");
+  if (config.draft_sampling == "probabilistic") {
+    DFLASH_ARG_CHECK(drafter_ != nullptr, "draft_sampling='probabilistic' needs a draft model");
+    DFLASH_ARG_CHECK(backend_->kind() == DeviceKind::kCPU,
+                     "draft_sampling='probabilistic' runs on the CPU backend only in this version (its CUDA "
+                     "kernels are not built yet); use device='cpu' or draft_sampling='greedy'");
+    auto* v1 = dynamic_cast<DFlashDrafter*>(drafter_.get());
+    DFLASH_ARG_CHECK(v1 != nullptr && draft_config.arch == DraftArch::kDFlash, config.draft_dir,
+                     ": draft_sampling='probabilistic' applies to DFlash (v1) drafters; a DFlash2 drafter walks its "
+                     "candidates (greedy at temperature 0, sampled above)");
+    v1->set_probabilistic(true);
   }
   if (backend_->kind() == DeviceKind::kCPU) {
     checkpoint_.reset();  // weights were copied to fp32; drop the mappings

@@ -31,6 +31,9 @@ struct SessionConfig {
   double gpu_memory_utilization = 0.9;  // CUDA: fraction of GPU memory this session may use
   bool cuda_graphs = true;             // CUDA: replay decode steps from captured graphs
   bool async_decode = false;           // pipelined target-only decoding (EngineOptions::async_decode)
+  // DFlash (v1) drafts: "greedy" (argmax, one-hot proposals) or "probabilistic" (sampled from the
+  // drafter's distribution at T > 0 and verified against it; CPU backend only for now).
+  std::string draft_sampling = "greedy";
   // Pad decode steps to the graph batch sizes: always on CUDA; settable on the CPU so that the
   // padding rows' path (reserved KV blocks) is tested there too (test hook, not public API).
   bool pad_decode_batches = false;

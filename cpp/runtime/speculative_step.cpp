@@ -224,7 +224,8 @@ void Engine::propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* d
     const int64_t k = drafter.proposal_width();
     DraftOutputs out;
     out.drafts = backend_.empty({1, n}, DType::kI32);
-    if (k > 0) {
+    if (drafter.proposal_kind() == ProposalKind::kDense) out.realized = backend_.empty({1, n, k}, DType::kF32);
+    if (drafter.proposal_kind() == ProposalKind::kCandidates) {
       out.cand_ids = backend_.empty({1, n, k}, DType::kI32);
       out.realized = backend_.empty({1, n, k}, DType::kF32);
       out.unary = backend_.empty({1, n, k}, DType::kF32);
@@ -239,7 +240,7 @@ void Engine::propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* d
     params.shape = {static_cast<int64_t>(sizeof(packed))};
     drafter.propose(d, *spec_.pool, backend_.upload_i32(&anchor, {1}), params, out);
     *drafts = download_i32(backend_, out.drafts);
-    if (details && k > 0) {
+    if (details && drafter.proposal_kind() == ProposalKind::kCandidates) {
       details->k = k;
       details->cand_ids = download_i32(backend_, out.cand_ids);
       details->unary.resize(out.unary.numel());

@@ -83,6 +83,11 @@ class Session:
         drafter on CUDA and none on the CPU; with a model_dir, none (`dflash generate --draft`
         follows the same rule).
     num_speculative_tokens: draft tokens per step, 1..block_size-1 (default block_size-1).
+    draft_sampling: DFlash (v1) drafts, "greedy" (default: the argmax of each draft row, verified
+        as one-hot proposals) or "probabilistic" (at temperature > 0 each draft is sampled from
+        the drafter's softmax(logits / T) on its own random stream and verified by exact
+        rejection sampling against that distribution; CPU backend only for now). DFlash2
+        drafters always walk their candidates (greedy at T = 0, sampled at T > 0).
     device: "cpu", "cuda" or "auto" (CUDA when this build has it, else the CPU).
     max_model_len: longest prompt + generation (default: the model's max_position_embeddings).
     kv_cache_tokens: size of the paged KV cache in tokens (default: from max_model_len and
@@ -104,6 +109,7 @@ class Session:
         *,
         draft: Optional[Union[str, os.PathLike]] = None,
         num_speculative_tokens: Optional[int] = None,
+        draft_sampling: str = "greedy",
         device: str = "auto",
         max_model_len: Optional[int] = None,
         kv_cache_tokens: Optional[int] = None,
@@ -129,6 +135,11 @@ class Session:
             if not os.path.isdir(draft):
                 raise ValueError(f"draft model directory not found: {draft}")
             config.draft_dir = draft
+        if draft_sampling not in ("greedy", "probabilistic"):
+            raise ValueError(f"draft_sampling must be 'greedy' or 'probabilistic', got {draft_sampling!r}")
+        if draft_sampling != "greedy" and draft is None:
+            raise ValueError("draft_sampling='probabilistic' needs a draft model (draft=...)")
+        config.draft_sampling = draft_sampling
         if num_speculative_tokens is not None:
             if draft is None:
                 raise ValueError("num_speculative_tokens needs a draft model (draft=...)")

@@ -68,6 +68,7 @@ class CpuBackend final : public Backend {
                     Tensor& realized) override;
   void accept_candidates(const Tensor& drafts, const Tensor& ids, const Tensor& realized, const Tensor& logits,
                          const Tensor& params, Tensor& num_accepted, Tensor& next_token) override;
+  void sample_drafts(const Tensor& logits, const Tensor& params, int64_t n, Tensor& drafts) override;
   std::shared_ptr<void> host_alloc(size_t bytes) override;
   void copy_to_device(Tensor& dst, const void* host, size_t bytes) override;
   void copy_to_host(void* host, const Tensor& src, size_t bytes) override;

@@ -119,18 +119,33 @@ void CpuBackend::lattice_walk(const Tensor& edges, const Tensor& ids, const Tens
 void CpuBackend::accept_candidates(const Tensor& drafts, const Tensor& ids, const Tensor& realized,
                                    const Tensor& logits, const Tensor& params, Tensor& num_accepted,
                                    Tensor& next_token) {
-  const int64_t rows = drafts.dim(0), n = drafts.dim(1), k = ids.dim(-1), vocab = logits.dim(-1);
-  DFLASH_CHECK(ids.numel() == rows * n * k && realized.numel() == rows * n * k &&
+  const bool dense = ids.shape.empty();  // no candidate ids: dense rows
+  const int64_t rows = drafts.dim(0), n = drafts.dim(1), vocab = logits.dim(-1);
+  const int64_t k = dense ? realized.dim(-1) : ids.dim(-1);
+  DFLASH_CHECK((dense ? k == vocab : ids.numel() == rows * n * k) && realized.numel() == rows * n * k &&
                    logits.numel() == rows * (n + 1) * vocab,
                "accept_candidates: drafts ", shape_str(drafts.shape), " ids ", shape_str(ids.shape), " logits ",
                shape_str(logits.shape));
   for (int64_t r = 0; r < rows; ++r) {
     const AcceptResult a = accept_candidates_request(
-        drafts.ptr<int32_t>() + r * n, ids.ptr<int32_t>() + r * n * k, realized.ptr<float>() + r * n * k, n, k,
+        drafts.ptr<int32_t>() + r * n, dense ? nullptr : ids.ptr<int32_t>() + r * n * k,
+        realized.ptr<float>() + r * n * k, n, k,
         logits.ptr<float>() + r * (n + 1) * vocab, vocab, unpack_params(params, r));
     num_accepted.ptr<int32_t>()[r] = static_cast<int32_t>(a.num_accepted);
     next_token.ptr<int32_t>()[r] = a.next_token;
   }
+}
+
+void CpuBackend::sample_drafts(const Tensor& logits, const Tensor& params, int64_t n, Tensor& drafts) {
+  const int64_t rows = logits.dim(0), vocab = logits.dim(1);
+  DFLASH_CHECK(logits.dtype == DType::kF32 && n >= 1 && rows % n == 0 && drafts.numel() == rows,
+               "sample_drafts: logits ", shape_str(logits.shape), " n ", n, " drafts ", shape_str(drafts.shape));
+  parallel(rows, vocab * 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const SampleRow row = unpack_params(params, i / n);
+      drafts.ptr<int32_t>()[i] = sample_draft_token(logits.ptr<float>() + i * vocab, vocab, row, row.position + i % n);
+    }
+  });
 }
 
 }  // namespace dflash

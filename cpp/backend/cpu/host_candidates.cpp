@@ -116,6 +116,7 @@ AcceptResult accept_candidates_request(const int32_t* drafts, const int32_t* ids
     }
     const std::vector<double> q = proposal(realized + j * k, k, row.temperature);
     auto q_of = [&](int32_t token) {
+      if (ids == nullptr) return token >= 0 && token < k ? q[token] : 0.0;
       for (int64_t i = 0; i < k; ++i) {
         if (ids[j * k + i] == token) return q[i];
       }
@@ -141,6 +142,20 @@ AcceptResult accept_candidates_request(const int32_t* drafts, const int32_t* ids
     return r;
   }
   return r;
+}
+
+int32_t sample_draft_token(const float* logits, int64_t vocab, const SampleRow& row, int64_t position) {
+  if (row.temperature <= 0.0f) return static_cast<int32_t>(argmax_finite(logits, vocab));
+  int64_t best = -1;
+  double best_score = -INFINITY;
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (std::isnan(logits[i]) || logits[i] == -INFINITY) continue;
+    const float u = philox_uniform(row.seed, static_cast<uint64_t>(position), static_cast<uint32_t>(i),
+                                   kStreamDraftSample);
+    const double g = static_cast<double>(logits[i]) / row.temperature - std::log(-std::log(static_cast<double>(u)));
+    if (best < 0 || g > best_score) best = i, best_score = g;
+  }
+  return static_cast<int32_t>(best < 0 ? argmax_finite(logits, vocab) : best);
 }
 
 }  // namespace dflash

@@ -24,9 +24,15 @@ void walk_request(const float* edges, const int32_t* ids, int64_t slots, int64_t
 
 // Acceptance of drafts[n] drawn from q_j = softmax(realized[j, :] / T) over ids[j, :] against the
 // target logits[n + 1, V] (temperature, top-k, top-p of `row` applied to p; position = the first
-// draft's). T = 0: greedy acceptance, as accept_drafts.
+// draft's). ids == nullptr: dense proposals, k == V and column i is token i (DFlash's
+// probabilistic drafts). T = 0: greedy acceptance, as accept_drafts.
 AcceptResult accept_candidates_request(const int32_t* drafts, const int32_t* ids, const float* realized,
                                        int64_t n, int64_t k, const float* logits, int64_t vocab,
                                        const SampleRow& row);
+
+// A probabilistic DFlash draft token from the drafter's logits[V]: at T > 0 a Gumbel-max draw
+// from softmax(logits / T), the noise keyed by (seed, position, token id) on the draft stream; at
+// T = 0 the argmax (lowest id on ties).
+int32_t sample_draft_token(const float* logits, int64_t vocab, const SampleRow& row, int64_t position);
 
 }  // namespace dflash
