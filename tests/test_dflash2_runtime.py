@@ -57,8 +57,8 @@ def _greedy(sess, prompts, max_tokens=20):
 ])
 def test_greedy_speculative_output_equals_target_greedy(tmp_path, target, geometry):
     d = _dflash2(tmp_path, target, **geometry)
-    spec = dflash.Session(target, draft=d, num_threads=2)
-    ar = dflash.Session(target, num_threads=2)
+    spec = dflash.Session(target, draft=d, device="cpu", num_threads=2)
+    ar = dflash.Session(target, device="cpu", num_threads=2)
     expected = _greedy(ar, PROMPTS)
     assert _greedy(spec, PROMPTS) == expected  # batched
     for prompt, want in zip(PROMPTS, expected):
@@ -113,8 +113,8 @@ def test_identity_init_drafts_like_its_dflash_backbone(tmp_path, target):
     d1 = write_dflash_drafter(tmp_path / "d1", target_config=_cfg(target), num_layers=1, target_layer_ids=[0, 1],
                               block_size=6, weights=weights)
     assert json.loads((d1 / "config.json").read_text())["hidden_size"] == cfg2["hidden_size"]
-    s1 = dflash.Session(target, draft=d1, num_threads=1)
-    s2 = dflash.Session(target, draft=d2, num_threads=1)
+    s1 = dflash.Session(target, draft=d1, device="cpu", num_threads=1)
+    s2 = dflash.Session(target, draft=d2, device="cpu", num_threads=1)
     for prompt in PROMPTS:
         drafts1, logits1 = s1.propose(prompt)
         details = s2.propose_details(prompt)
@@ -128,7 +128,7 @@ def test_identity_init_drafts_like_its_dflash_backbone(tmp_path, target):
 def test_candidates_are_the_lm_head_top_k_with_multiplier_and_cap(tmp_path, target):
     d = _dflash2(tmp_path, target, block_size=5, selector_top_k=6, output_multiplier=0.25,
                  final_logit_softcapping=2.0)
-    sess = dflash.Session(target, draft=d, num_threads=1)
+    sess = dflash.Session(target, draft=d, device="cpu", num_threads=1)
     details = sess.propose_details(PROMPTS[0])
     logits = details["draft_logits"]
     for s in range(logits.shape[0]):
@@ -158,8 +158,8 @@ def test_k_candidate_sampling_matches_target_distribution(tmp_path, target, top_
     # often enough that both branches of the rejection sampler are exercised.
     d = _dflash2(tmp_path, target, block_size=4, selector_top_k=256, seed=5, init_std=0.02,
                  output_multiplier=1e-3)
-    spec = dflash.Session(target, draft=d, num_threads=2)
-    ar = dflash.Session(target, num_threads=2)
+    spec = dflash.Session(target, draft=d, device="cpu", num_threads=2)
+    ar = dflash.Session(target, device="cpu", num_threads=2)
     prompt, first, T = [17, 42, 99, 7, 250, 31], 120, 0.8
     probs = _target_probs(ar, prompt, first, T, top_p)
     ids = []
@@ -189,7 +189,7 @@ def test_k_candidate_sampling_matches_target_distribution(tmp_path, target, top_
 
 def test_seeded_sampling_is_identical_alone_and_batched(tmp_path, target):
     d = _dflash2(tmp_path, target, block_size=5, selector_top_k=16)
-    spec = dflash.Session(target, draft=d, num_threads=2)
+    spec = dflash.Session(target, draft=d, device="cpu", num_threads=2)
     params = [dflash.SamplingParams(max_tokens=16, temperature=0.9, top_k=40, seed=11 + i, ignore_eos=True)
               for i in range(len(PROMPTS))]
     batched = [o.token_ids for o in spec.generate(PROMPTS, params)]

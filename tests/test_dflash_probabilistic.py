@@ -39,8 +39,8 @@ def test_probabilistic_drafts_keep_the_target_distribution(tmp_path, target, top
     # A small init keeps the drafter's distribution broad and T = 2 flattens the target's, so
     # drafts are accepted often enough that both branches of the rejection sampler run.
     d = _drafter(tmp_path, target, seed=5, init_std=0.02)
-    spec = dflash.Session(target, draft=d, num_threads=2, draft_sampling="probabilistic")
-    ar = dflash.Session(target, num_threads=2)
+    spec = dflash.Session(target, draft=d, device="cpu", num_threads=2, draft_sampling="probabilistic")
+    ar = dflash.Session(target, device="cpu", num_threads=2)
     prompt, first, T, n = PROMPTS[0], 120, 2.0, 2000  # a flat p: overlaps the broad q
     probs = _target_probs(ar, prompt, first, T, top_p)
     ids = []
@@ -70,8 +70,8 @@ def test_probabilistic_drafts_keep_the_target_distribution(tmp_path, target, top
 
 def test_greedy_at_temperature_zero_and_seeded_determinism(tmp_path, target):
     d = _drafter(tmp_path, target, block_size=5, seed=2)
-    spec = dflash.Session(target, draft=d, num_threads=2, draft_sampling="probabilistic")
-    ar = dflash.Session(target, num_threads=2)
+    spec = dflash.Session(target, draft=d, device="cpu", num_threads=2, draft_sampling="probabilistic")
+    ar = dflash.Session(target, device="cpu", num_threads=2)
     greedy = dflash.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in spec.generate(PROMPTS, greedy)] == [o.token_ids for o in ar.generate(PROMPTS, greedy)]
     params = [dflash.SamplingParams(max_tokens=16, temperature=1.0, seed=3 + i, ignore_eos=True)
@@ -86,8 +86,8 @@ def test_probabilistic_drafts_differ_from_greedy_drafts_at_t1(tmp_path, target):
     """The probabilistic mode really samples its drafts: over a few seeded requests at T = 1 its
     drafted tokens are not all the drafter's argmax (which greedy drafting would give)."""
     d = _drafter(tmp_path, target, seed=4, init_std=0.05)
-    greedy = dflash.Session(target, draft=d, num_threads=1)
-    prob = dflash.Session(target, draft=d, num_threads=1, draft_sampling="probabilistic")
+    greedy = dflash.Session(target, draft=d, device="cpu", num_threads=1)
+    prob = dflash.Session(target, draft=d, device="cpu", num_threads=1, draft_sampling="probabilistic")
     params = [dflash.SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in range(6)]
     a = [o.metrics.num_accepted for o in greedy.generate([PROMPTS[0]] * 6, params)]
     b = [o.metrics.num_accepted for o in prob.generate([PROMPTS[0]] * 6, params)]
@@ -99,11 +99,11 @@ def test_probabilistic_drafts_differ_from_greedy_drafts_at_t1(tmp_path, target):
 def test_bad_draft_sampling_settings(tmp_path, target, tiny_model_dirs):
     d = _drafter(tmp_path, target)
     with pytest.raises(ValueError, match="draft_sampling must be"):
-        dflash.Session(target, draft=d, num_threads=1, draft_sampling="beam")
+        dflash.Session(target, draft=d, device="cpu", num_threads=1, draft_sampling="beam")
     with pytest.raises(ValueError, match="needs a draft model"):
-        dflash.Session(target, draft="none", num_threads=1, draft_sampling="probabilistic")
+        dflash.Session(target, draft="none", device="cpu", num_threads=1, draft_sampling="probabilistic")
     cfg = json.loads((target / "config.json").read_text())
     d2 = write_dflash2_drafter(tmp_path / "d2", target_config=cfg, num_layers=1, target_layer_ids=[0, 1],
                                block_size=4, conv_group_size=8, selector_rank=4, selector_top_k=4)
     with pytest.raises(ValueError, match="applies to DFlash \\(v1\\) drafters"):
-        dflash.Session(target, draft=d2, num_threads=1, draft_sampling="probabilistic")
+        dflash.Session(target, draft=d2, device="cpu", num_threads=1, draft_sampling="probabilistic")

@@ -75,21 +75,21 @@ def _make_dflash2(tmp_path, target, *, taps=2, group=8, rank=4, top_k=4, name="d
 
 
 def test_plain_drafter_still_loads(tmp_path, target):
-    dflash.Session(target, draft=_drafter(tmp_path, target), num_threads=1)
+    dflash.Session(target, draft=_drafter(tmp_path, target), device="cpu", num_threads=1)
 
 
 def test_dflash2_tensors_under_a_dflash_label_are_refused(tmp_path, target):
     d = _make_dflash2(tmp_path, target)
     _edit(d, lambda c: c.update(architectures=["DFlashDraftModel"]))
     with pytest.raises(dflash.DFlashError, match=r"(_conv|candidate_selector)\..*not used by a DFlashDraftModel.*it is a DFlash2 tensor.*DFlash2DraftModel"):
-        dflash.Session(target, draft=d, num_threads=1)
+        dflash.Session(target, draft=d, device="cpu", num_threads=1)
 
 
 def test_more_layers_than_the_config_says_are_refused(tmp_path, target):
     d = _drafter(tmp_path, target, num_layers=2)
     _edit(d, lambda c: c.update(num_hidden_layers=1, layer_types=["full_attention"], max_window_layers=1))
     with pytest.raises(dflash.DFlashError, match=r"tensor 'layers\.1\..*not used by a DFlashDraftModel with 1 layers"):
-        dflash.Session(target, draft=d, num_threads=1)
+        dflash.Session(target, draft=d, device="cpu", num_threads=1)
 
 
 def test_missing_tensor_is_named(tmp_path, target):
@@ -98,7 +98,7 @@ def test_missing_tensor_is_named(tmp_path, target):
     del tensors["layers.0.mlp.down_proj.weight"]
     save_file(tensors, str(d / "model.safetensors"))
     with pytest.raises(dflash.DFlashError, match=r"layers\.0\.mlp\.down_proj\.weight"):
-        dflash.Session(target, draft=d, num_threads=1)
+        dflash.Session(target, draft=d, device="cpu", num_threads=1)
 
 
 def test_valid_dflash2_checkpoint_loads_and_runs_with_its_selector(tmp_path, target):
@@ -134,29 +134,29 @@ def test_dflash2_config_fields_are_validated(tmp_path, target, field, value, mes
             c["dflash_config"][field] = value
     _edit(d, change)
     with pytest.raises(dflash.DFlashError, match=message):
-        dflash.Session(target, draft=d, num_threads=1)
+        dflash.Session(target, draft=d, device="cpu", num_threads=1)
 
 
 def test_dflash2_tensor_of_the_wrong_shape_is_named(tmp_path, target):
     d = _make_dflash2(tmp_path, target, rank=4)
     _edit(d, lambda c: c["dflash_config"].update(selector_rank=8))  # the codebooks hold rank 4
     with pytest.raises(dflash.DFlashError, match=r"candidate_selector\.\w+.*shape"):
-        dflash.Session(target, draft=d, num_threads=1)
+        dflash.Session(target, draft=d, device="cpu", num_threads=1)
 
 
 def test_architectures_message_says_what_is_accepted(tmp_path, target):
     d = _drafter(tmp_path, target)
     _edit(d, lambda c: c.update(architectures=["EagleDraftModel"]))
     with pytest.raises(dflash.DFlashError, match=r"EagleDraftModel.*DFlashDraftModel.*DFlash2DraftModel"):
-        dflash.Session(target, draft=d, num_threads=1)
+        dflash.Session(target, draft=d, device="cpu", num_threads=1)
 
 
 def test_non_causal_sliding_window_is_refused(tmp_path, target):
     d = _drafter(tmp_path, target, layer_types=["sliding_attention"], sliding_window=8)
-    dflash.Session(target, draft=d, num_threads=1)  # sliding without is_causal: causal window (vLLM's rule)
+    dflash.Session(target, draft=d, device="cpu", num_threads=1)  # sliding without is_causal: causal window (vLLM's rule)
     _edit(d, lambda c: c.update(is_causal=False))
     with pytest.raises(dflash.DFlashError, match=r"non-causal sliding window.*symmetric"):
-        dflash.Session(target, draft=d, num_threads=1)
+        dflash.Session(target, draft=d, device="cpu", num_threads=1)
 
 
 def test_is_causal_takes_precedence_for_full_layers(tmp_path, target):
@@ -165,10 +165,10 @@ def test_is_causal_takes_precedence_for_full_layers(tmp_path, target):
     block)."""
     prompt = list(range(3, 15))
     d = _drafter(tmp_path, target, block_size=6, init_std=0.5)
-    plain = dflash.Session(target, draft=d, num_threads=1)
+    plain = dflash.Session(target, draft=d, device="cpu", num_threads=1)
     drafts_plain, logits_plain = plain.propose(prompt)
     _edit(d, lambda c: c.update(is_causal=True))
-    causal = dflash.Session(target, draft=d, num_threads=1)
+    causal = dflash.Session(target, draft=d, device="cpu", num_threads=1)
     drafts_causal, logits_causal = causal.propose(prompt)
     lp, lc = np.asarray(logits_plain), np.asarray(logits_causal)
     assert not np.allclose(lp, lc)
