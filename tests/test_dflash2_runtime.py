@@ -75,6 +75,9 @@ def test_greedy_speculative_output_equals_target_greedy(tmp_path, target, geomet
     ("qwen3", dict(block_size=16, conv_kernel_size=2, conv_group_size=16, selector_top_k=8, dtype="bfloat16")),
     ("llama_gqa", dict(block_size=6, layer_types=["sliding_attention"], sliding_window=5, is_causal=True,
                        selector_top_k=6)),
+    # The published DFlash2 layout: sliding layers with is_causal false (a symmetric window).
+    ("qwen3", dict(block_size=8, num_layers=2, layer_types=["sliding_attention"] * 2, sliding_window=4,
+                   is_causal=False, selector_top_k=8)),
 ])
 def test_propose_matches_the_reference(tmp_path, tiny_model_dirs, hf_model, preset, geometry):
     target = tiny_model_dirs[preset]

@@ -151,12 +151,17 @@ def test_architectures_message_says_what_is_accepted(tmp_path, target):
         dflash.Session(target, draft=d, device="cpu", num_threads=1)
 
 
-def test_non_causal_sliding_window_is_refused(tmp_path, target):
-    d = _drafter(tmp_path, target, layer_types=["sliding_attention"], sliding_window=8)
-    dflash.Session(target, draft=d, device="cpu", num_threads=1)  # sliding without is_causal: causal window (vLLM's rule)
+def test_non_causal_sliding_window_is_symmetric(tmp_path, target):
+    """is_causal: false on a sliding layer is a symmetric window |query - key| < window: the draft
+    differs from the causal window's (the rule without is_causal), and from full attention."""
+    prompt = list(range(3, 30))
+    d = _drafter(tmp_path, target, layer_types=["sliding_attention"], sliding_window=3, block_size=6, init_std=0.5)
+    causal = dflash.Session(target, draft=d, device="cpu", num_threads=1).propose(prompt)[1]
     _edit(d, lambda c: c.update(is_causal=False))
-    with pytest.raises(dflash.DFlashError, match=r"non-causal sliding window.*symmetric"):
-        dflash.Session(target, draft=d, device="cpu", num_threads=1)
+    symmetric = dflash.Session(target, draft=d, device="cpu", num_threads=1).propose(prompt)[1]
+    _edit(d, lambda c: c.update(layer_types=["full_attention"], use_sliding_window=False))
+    full = dflash.Session(target, draft=d, device="cpu", num_threads=1).propose(prompt)[1]
+    assert not np.allclose(causal, symmetric) and not np.allclose(symmetric, full)
 
 
 def test_is_causal_takes_precedence_for_full_layers(tmp_path, target):

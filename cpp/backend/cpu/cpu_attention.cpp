@@ -36,8 +36,9 @@ void CpuBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t la
       const int64_t num_q = qs[s + 1] - qs[s];
       const int64_t len = kv_len[s];
       const int64_t q_pos = len - num_q + (t - qs[s]);
-      const bool causal = meta.causal || meta.window > 0;
-      const int64_t visible = causal ? q_pos + 1 : len;
+      const bool symmetric = meta.symmetric_window && meta.window > 0;
+      const bool causal = !symmetric && (meta.causal || meta.window > 0);
+      const int64_t visible = causal ? q_pos + 1 : symmetric ? std::min<int64_t>(len, q_pos + meta.window) : len;
       const int64_t first_key = meta.window > 0 ? std::max<int64_t>(0, q_pos - meta.window + 1) : 0;
       const float* qv = q.ptr<float>() + (t * nh + h) * hd;
       const int64_t kvh = h / group;

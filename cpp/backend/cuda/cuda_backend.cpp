@@ -331,6 +331,7 @@ void CudaBackend::kv_write(KVPool& pool, int64_t layer, const Tensor& k, const T
 
 void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t layer, const AttentionMeta& meta,
                                   Tensor& out) {
+  DFLASH_CHECK(!meta.symmetric_window, "the CUDA attention kernels have no symmetric (non-causal) sliding window");
   const int64_t row = pool.num_kv_heads * pool.head_dim;
   const int64_t layer_elems = pool.num_blocks * pool.block_size * row;
   triton_aot::PagedAttentionArgs a{};
