@@ -2,7 +2,7 @@
 #
 # Helpers for tests that drive the C++ runtime directly through dflash._core's test hooks:
 # teacher-forced decoding with recorded logits and hidden-state taps, decoding with oracle drafts,
-# and the leak check.
+# seeded two-token sampling runs (for the exactness tests), and the leak check.
 from __future__ import annotations
 
 from typing import Sequence
@@ -113,3 +113,30 @@ def greedy_hf(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids=Non
 
 def max_abs(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
+
+
+def sampled_second_tokens(session, prompt: Sequence[int], first: int, *, temperature: float, top_p: float,
+                          num_seeds: int, oracle_drafts: Sequence[int] | None = None):
+    """One request per seed 0..num_seeds-1: `first` forced as the prefill's token, then one token
+    sampled through the speculative step (its first draft goes through acceptance). Returns the
+    finished results, in seed order."""
+    from dflash import _core
+
+    ids = []
+    for seed in range(num_seeds):
+        req = _core.RequestInput()
+        req.prompt = list(prompt)
+        req.forced_tokens = [first]
+        if oracle_drafts is not None:
+            req.oracle_drafts = list(oracle_drafts)
+        sc = _core.SamplingConfig()
+        sc.max_tokens = 2
+        sc.temperature = temperature
+        sc.top_p = top_p
+        sc.seed = seed
+        sc.ignore_eos = True
+        req.sampling = sc
+        ids.append(session._core.add_request(req))
+    while session._core.has_unfinished():
+        session._core.step()
+    return [session._core.take_result(i) for i in ids]

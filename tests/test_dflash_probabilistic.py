@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 
 import dflash
-from dflash import _core
 from dflash.drafter_format import write_dflash2_drafter, write_dflash_drafter
-from tests.runtime_helpers import assert_no_leaks
+from tests.runtime_helpers import assert_no_leaks, sampled_second_tokens
 from tests.test_dflash_sampling import _chi2_ok, _target_probs
 
 PROMPTS = [[17, 42, 99, 7, 250, 31], [5, 6, 7, 8], list(range(40, 70))]
@@ -43,22 +42,7 @@ def test_probabilistic_drafts_keep_the_target_distribution(tmp_path, target, top
     ar = dflash.Session(target, device="cpu", num_threads=2)
     prompt, first, T, n = PROMPTS[0], 120, 2.0, 2000  # a flat p: overlaps the broad q
     probs = _target_probs(ar, prompt, first, T, top_p)
-    ids = []
-    for seed in range(n):
-        req = _core.RequestInput()
-        req.prompt = prompt
-        req.forced_tokens = [first]
-        sc = _core.SamplingConfig()
-        sc.max_tokens = 2
-        sc.temperature = T
-        sc.top_p = top_p
-        sc.seed = seed
-        sc.ignore_eos = True
-        req.sampling = sc
-        ids.append(spec._core.add_request(req))
-    while spec._core.has_unfinished():
-        spec._core.step()
-    results = [spec._core.take_result(i) for i in ids]
+    results = sampled_second_tokens(spec, prompt, first, temperature=T, top_p=top_p, num_seeds=n)
     second = np.array([r.token_ids[1] for r in results])
     chi2, dof, ok = _chi2_ok(second, probs)
     accepted = sum(r.metrics.num_accepted > 0 for r in results)

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 import dflash
-from dflash import _core
 from dflash.drafter_format import write_dflash_drafter
-from tests.runtime_helpers import assert_no_leaks, forced_run
+from tests.runtime_helpers import assert_no_leaks, forced_run, sampled_second_tokens
 
 N = 3000
 
@@ -65,24 +64,9 @@ def test_speculative_sampling_matches_target_distribution(tmp_path, tiny_model_d
     T = 0.8
     probs = _target_probs(ar, prompt, first, T, top_p)
     likeliest = int(np.argmax(probs))
-    ids = []
-    for seed in range(N):
-        req = _core.RequestInput()
-        req.prompt = prompt
-        req.forced_tokens = [first]  # the prefill's token; the next one goes through acceptance
-        if proposal == "likeliest_token":
-            req.oracle_drafts = [first, likeliest, likeliest, likeliest]
-        sc = _core.SamplingConfig()
-        sc.max_tokens = 2
-        sc.temperature = T
-        sc.top_p = top_p
-        sc.seed = seed
-        sc.ignore_eos = True
-        req.sampling = sc
-        ids.append(spec._core.add_request(req))
-    while spec._core.has_unfinished():
-        spec._core.step()
-    results = [spec._core.take_result(i) for i in ids]
+    oracle = [first, likeliest, likeliest, likeliest] if proposal == "likeliest_token" else None
+    results = sampled_second_tokens(spec, prompt, first, temperature=T, top_p=top_p, num_seeds=N,
+                                    oracle_drafts=oracle)
     second = np.array([r.token_ids[1] for r in results])
     chi2, dof, ok = _chi2_ok(second, probs)
     accepted = sum(r.metrics.num_accepted > 0 for r in results) / N

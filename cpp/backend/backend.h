@@ -67,6 +67,16 @@ inline SampleParamsPacked sample_params_pack(const SampleRow& r) {
                             static_cast<uint32_t>(r.seed >> 32), r.position};
 }
 
+inline SampleRow sample_params_unpack(const SampleParamsPacked& p) {
+  SampleRow r;
+  r.temperature = p.temperature;
+  r.top_k = p.top_k;
+  r.top_p = p.top_p;
+  r.seed = (static_cast<uint64_t>(p.seed_hi) << 32) | p.seed_lo;
+  r.position = p.position;
+  return r;
+}
+
 // A captured sequence of backend ops (a CUDA graph), replayed with `Backend::graph_launch`.
 class CapturedGraph {
  public:

@@ -14,16 +14,6 @@ namespace dflash {
 
 namespace {
 
-SampleRow unpack(const SampleParamsPacked& p) {
-  SampleRow r;
-  r.temperature = p.temperature;
-  r.top_k = p.top_k;
-  r.top_p = p.top_p;
-  r.seed = (static_cast<uint64_t>(p.seed_hi) << 32) | p.seed_lo;
-  r.position = p.position;
-  return r;
-}
-
 const SampleParamsPacked* params_of(const Tensor& t, int64_t rows) {
   DFLASH_CHECK(static_cast<int64_t>(t.nbytes()) >= rows * static_cast<int64_t>(sizeof(SampleParamsPacked)),
                "sampling params tensor too small for ", rows, " rows");
@@ -51,7 +41,7 @@ void CpuBackend::sample_rows(const Tensor& logits, const Tensor& params, Tensor&
   const int64_t rows = logits.dim(0);
   const SampleParamsPacked* p = params_of(params, rows);
   std::vector<SampleRow> r(rows);
-  for (int64_t i = 0; i < rows; ++i) r[i] = unpack(p[i]);
+  for (int64_t i = 0; i < rows; ++i) r[i] = sample_params_unpack(p[i]);
   sample(logits, r, tokens.ptr<int32_t>());
 }
 
@@ -62,7 +52,7 @@ void CpuBackend::accept(const Tensor& drafts, const Tensor& logits, const Tensor
                " do not hold ", rows, " x ", n + 1, " rows");
   const SampleParamsPacked* p = params_of(params, rows);
   for (int64_t r = 0; r < rows; ++r) {
-    const SampleRow row = unpack(p[r]);
+    const SampleRow row = sample_params_unpack(p[r]);
     const AcceptResult a = accept_drafts(drafts.ptr<int32_t>() + r * n, n,
                                          logits.ptr<float>() + r * (n + 1) * vocab, vocab, row, row.position);
     num_accepted.ptr<int32_t>()[r] = static_cast<int32_t>(a.num_accepted);

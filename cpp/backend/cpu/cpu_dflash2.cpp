@@ -12,14 +12,7 @@ namespace {
 SampleRow unpack_params(const Tensor& params, int64_t r) {
   DFLASH_CHECK(static_cast<int64_t>(params.nbytes()) >= (r + 1) * static_cast<int64_t>(sizeof(SampleParamsPacked)),
                "sampling params tensor too small for row ", r);
-  const SampleParamsPacked& p = static_cast<const SampleParamsPacked*>(params.data)[r];
-  SampleRow row;
-  row.temperature = p.temperature;
-  row.top_k = p.top_k;
-  row.top_p = p.top_p;
-  row.seed = (static_cast<uint64_t>(p.seed_hi) << 32) | p.seed_lo;
-  row.position = p.position;
-  return row;
+  return sample_params_unpack(static_cast<const SampleParamsPacked*>(params.data)[r]);
 }
 
 }  // namespace
