@@ -156,6 +156,72 @@ cudaError_t assemble_drafts(const int32_t* proposed, const int32_t* override_dra
 // taken from the previous step's sampled tokens prev[] on the device)
 cudaError_t feed_tokens(int32_t* ids, const int32_t* feed, const int32_t* prev, int64_t rows, cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------------
+// DFlash2 candidate drafting and exact acceptance with proposal rows (backend.h gives the ops'
+// semantics; backend/cpu/host_candidates.h is the host reference every kernel is tested against).
+
+// One side (0 = prepare, 1 = finish) of the grouped dynamic depthwise conv over contiguous blocks
+// of `block` rows (taps never cross a block), G = hidden / group:
+//   y[i, c] = sum_{t < taps, t <= i mod block} (base[side, t, c] + deltas[i, (side * taps + t) * G + c / group])
+//             * x[i - t, c]
+// x [rows, hidden], base [2, taps, hidden], deltas [rows, 2 * taps * G] (bf16; fp32 math);
+// out [rows, hidden] = y, or out += y when accumulate (a residual stream). out must not alias x.
+// Needs hidden % group == 0, rows % block == 0, 1 <= taps <= kConvMaxTaps.
+constexpr int64_t kConvMaxTaps = 8;
+cudaError_t grouped_conv(const __nv_bfloat16* x, const __nv_bfloat16* base, const __nv_bfloat16* deltas,
+                         int64_t rows, int64_t hidden, int64_t taps, int64_t group, int64_t side, int64_t block,
+                         bool accumulate, __nv_bfloat16* out, cudaStream_t stream);
+
+// x[n] *= factor (bf16 in place; fp32 math)
+cudaError_t scale_bf16(__nv_bfloat16* x, int64_t n, float factor, cudaStream_t stream);
+
+// Exact radix top-K per row of logits [rows, vocab] (fp32), one launch for all rows: the K
+// largest values, sorted descending, lowest id first on ties; NaN ranks below every number (a row
+// with fewer than K numbers fills up with its NaN ids, lowest first, valued -inf); -inf is a
+// number. ids [rows, K] int32; unary [rows, K] fp32 = v * multiplier, then
+// softcap * tanh(. / softcap) when softcap > 0 (on the K values only). Deterministic.
+// workspace: topk_workspace_bytes(rows, vocab, k) bytes (device); counters: int32 [rows] zeroed
+// once by the owner (the kernel leaves them zero). 1 <= k <= kTopkMaxK, vocab <= kTopkMaxVocab.
+constexpr int64_t kTopkMaxK = 64;
+constexpr int64_t kTopkMaxVocab = 262144;
+size_t topk_workspace_bytes(int64_t rows, int64_t vocab, int64_t k);
+cudaError_t topk_candidates(const float* logits, int64_t rows, int64_t vocab, int64_t k, float multiplier,
+                            float softcap, int32_t* ids, float* unary, void* workspace, size_t workspace_bytes,
+                            int32_t* counters, cudaStream_t stream);
+
+// Edge scores of the candidate lattice (fp32 out, fp32 accumulation):
+//   edges[b, s, p, c] = unary[b, s, c] + sum_j A[pred(b, s, p), j] * gate[b, s, j] * B[ids[b, s, c], j]
+//   pred(b, 0, p) = anchors[b], pred(b, s, p) = ids[b, s - 1, p]
+// ids [R, S, K] int32, unary [R, S, K] fp32, gate [R, S, rank] fp32, anchors [R] int32, codebooks
+// A (predecessor), B (successor) [vocab, rank] bf16. An id outside [0, vocab) contributes a zero
+// codebook row. K <= kTopkMaxK, rank <= kEdgeMaxRank.
+constexpr int64_t kEdgeMaxRank = 1024;
+cudaError_t edge_scores(const int32_t* ids, const float* unary, const float* gate, const int32_t* anchors,
+                        const __nv_bfloat16* pred_codebook, const __nv_bfloat16* succ_codebook, int64_t num_reqs,
+                        int64_t slots, int64_t k, int64_t rank, int64_t vocab, float* edges, cudaStream_t stream);
+
+// Acceptance with the drafter's proposal rows (exact rejection sampling; host reference:
+// accept_candidates_request in backend/cpu/host_candidates.h). drafts [R, n]; logits [R, n + 1, V]
+// fp32; params [R] (position = the first draft's). Draft j of request r was drawn from
+// q = softmax(realized[r, j, :] / T) over cand_ids[r, j, :] (cand_ids [R, n, K], realized
+// [R, n, K]), or, with cand_ids == nullptr, over the whole vocabulary (K == V, column i = token i:
+// DFlash's probabilistic drafts). T > 0 rows: accept x iff u * q(x) < p(x) (q(x) > 0), u =
+// philox_uniform(seed, position + j, 0, kStreamAccept), p the row's temperature / top-k / top-p
+// distribution; on the first rejection the token is a draw from norm(max(p - q, 0)) (from p when
+// that is all zero); after n accepts the bonus is drawn from p (target-sampling stream). T = 0
+// rows: as accept_drafts (greedy). Outputs num_accepted [R] (0..n), next_token [R].
+cudaError_t accept_candidates(const int32_t* drafts, const int32_t* cand_ids, const float* realized, int64_t k,
+                              const float* logits, int64_t num_seqs, int64_t n, int64_t vocab,
+                              const SampleParams* params, int32_t* num_accepted, int32_t* next_token,
+                              cudaStream_t stream);
+
+// Probabilistic DFlash drafts: drafts[i] for row i of logits [rows, V] (fp32), request i / n with
+// params[i / n]: at T > 0 a Gumbel-max draw from softmax(logits / T), the noise
+// -log(-log(philox_uniform(seed, position + i % n, token, kStreamDraftSample))); at T = 0 the
+// argmax (lowest id on ties). Host reference: sample_draft_token (backend/cpu/host_candidates.h).
+cudaError_t sample_drafts(const float* logits, int64_t rows, int64_t n, int64_t vocab, const SampleParams* params,
+                          int32_t* drafts, cudaStream_t stream);
+
 // Paged decode attention (decode_attention.cu) for launches with max_query_len * group <= 16
 // rows per (sequence, KV head), head_dim 64 or 128: the inputs, masks and layout of the Triton
 // paged attention (triton_kernels/triton_attention.h), split-KV with the combine done by the
