@@ -193,8 +193,13 @@ class Backend {
   // anchors of a step launched before the host has read the previous step's tokens prev[])
   virtual void feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) = 0;
 
-  // --- DFlash2 candidate drafting (CPU today; the CUDA kernels are unfinished, and a DFlash2
-  // drafter is refused on CUDA at load time). Defaults throw, naming the backend. ---
+  // --- DFlash2 candidate drafting and proposal-aware acceptance (CPU: fp32 host functions of
+  // cpu/host_candidates.h; CUDA: the kernels of cuda/ and the Triton walk). Defaults throw,
+  // naming the backend. ---
+  // Throws Error (the message names what is over which limit) when this backend's DFlash2 kernels
+  // cannot run a drafter of top_k candidates, selector rank `rank`, conv taps `taps` over a
+  // vocabulary of `vocab`; a checkpoint is refused at load, never truncated.
+  virtual void dflash2_check_limits(int64_t top_k, int64_t rank, int64_t taps, int64_t vocab) const {}
   // x[...] *= factor (in place)
   virtual void scale(Tensor& x, float factor) { unsupported("scale"); }
   // One side s (0 = prepare, 1 = finish) of the grouped dynamic depthwise conv over contiguous
@@ -202,9 +207,9 @@ class Backend {
   //   out[i, c] = sum_t (base[s, t, c] + deltas[i, (s * T + t) * G + c / group]) * x[i - t, c]
   //               * [(i mod block) >= t]
   // x[N, H], base[2, T, H], deltas[N, 2 * T * G] (the sublayer input's kernel projection), out[N, H]
-  // (out must not alias x).
+  // (out must not alias x); accumulate: out[i, c] += the sum instead (a residual stream).
   virtual void grouped_conv(const Tensor& x, const Tensor& base, const Tensor& deltas, int64_t side,
-                            int64_t block, int64_t group, Tensor& out) {
+                            int64_t block, int64_t group, bool accumulate, Tensor& out) {
     unsupported("grouped_conv");
   }
   // Per row of logits[R, V]: the K largest values, sorted descending, lowest id first on ties;
@@ -273,8 +278,7 @@ class Backend {
 
  protected:
   [[noreturn]] void unsupported(const char* op) const {
-    throw Error(detail::concat("the ", name(), " backend has no ", op, " op (DFlash2 and probabilistic "
-                               "DFlash drafts run on the CPU backend only in this version)"));
+    throw Error(detail::concat("the ", name(), " backend has no ", op, " op"));
   }
 };
 

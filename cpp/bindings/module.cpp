@@ -20,6 +20,7 @@ using namespace dflash;
 
 #ifdef DFLASH_WITH_CUDA
 void bind_cuda_testing(nb::module_& testing);
+void bind_cuda_testing_dflash2(nb::module_& testing);
 void bind_triton_testing(nb::module_& testing);
 #endif
 
@@ -123,7 +124,7 @@ nb::object cpu_grouped_conv(const F32Array& x, const F32Array& base, const F32Ar
   CpuBackend backend(1);
   Tensor out = backend.empty({static_cast<int64_t>(x.shape(0)), static_cast<int64_t>(x.shape(1))}, DType::kF32);
   backend.grouped_conv(wrap(x, DType::kF32), wrap(base, DType::kF32), wrap(deltas, DType::kF32), side, block,
-                       group, out);
+                       group, /*accumulate=*/false, out);
   std::vector<float> values(out.ptr<float>(), out.ptr<float>() + out.numel());
   return to_numpy_2d(values, static_cast<int64_t>(x.shape(1)));
 }
@@ -174,6 +175,7 @@ NB_MODULE(_core, m) {
       .def("release", &BlockTable::release, "allocator"_a);
 #ifdef DFLASH_WITH_CUDA
   bind_cuda_testing(testing);
+  bind_cuda_testing_dflash2(testing);
   bind_triton_testing(testing);
 #endif
 

@@ -12,6 +12,12 @@ DFlash2Drafter::DFlash2Drafter(const DraftConfig& config, const std::string& dra
   const DFlash2Config& c = config_.dflash2;
   const int64_t h = geometry_.hidden, taps = c.conv_kernel_size, groups = h / c.conv_group_size;
   const int64_t vocab = target.config().vocab_size, rank = c.selector_rank;
+  try {
+    backend.dflash2_check_limits(c.selector_top_k, rank, taps, vocab);
+  } catch (const Error& e) {
+    throw Error(detail::concat(config_.path, ": this DFlash2 drafter cannot run on the ", backend.name(),
+                               " backend: ", e.what()));
+  }
   Checkpoint ckpt(draft_dir);
   auto load = [&](const std::string& name, std::vector<int64_t> shape) {
     return weight_load(backend_, ckpt, name, shape, &weight_bytes_);
@@ -32,12 +38,13 @@ DFlash2Drafter::DFlash2Drafter(const DraftConfig& config, const std::string& dra
 
 void DFlash2Drafter::conv_prepare(const Conv& conv, const Tensor& x, int64_t block, Tensor& deltas, Tensor& out) {
   backend_.linear(x, conv.projection, deltas);
-  backend_.grouped_conv(x, conv.base, deltas, 0, block, config_.dflash2.conv_group_size, out);
+  backend_.grouped_conv(x, conv.base, deltas, 0, block, config_.dflash2.conv_group_size, /*accumulate=*/false, out);
 }
 
-void DFlash2Drafter::conv_finish(const Conv& conv, const Tensor& y, const Tensor& deltas, int64_t block,
-                                 Tensor& out) {
-  backend_.grouped_conv(y, conv.base, deltas, 1, block, config_.dflash2.conv_group_size, out);
+void DFlash2Drafter::conv_finish_add(const Conv& conv, const Tensor& y, const Tensor& deltas, int64_t block,
+                                     Tensor& residual) {
+  backend_.grouped_conv(y, conv.base, deltas, 1, block, config_.dflash2.conv_group_size, /*accumulate=*/true,
+                        residual);
 }
 
 Tensor DFlash2Drafter::backbone(const DeviceBatch& batch, KVPool& pool) {
@@ -50,7 +57,7 @@ Tensor DFlash2Drafter::backbone(const DeviceBatch& batch, KVPool& pool) {
   const int64_t width = 2 * config_.dflash2.conv_kernel_size * (h / config_.dflash2.conv_group_size);
   LayerScratch s(backend_, g, t);
   Tensor residual = backend_.empty({t, h}, dt);
-  Tensor conv_in = backend_.empty({t, h}, dt), conv_out = backend_.empty({t, h}, dt);
+  Tensor conv_in = backend_.empty({t, h}, dt);
   Tensor deltas = backend_.empty({t, width}, dt);
   backend_.embedding(target_.embedding(), batch.token_ids, residual);
   if (config_.dflash2.input_embedding_scale != 1.0) {
@@ -67,16 +74,14 @@ Tensor DFlash2Drafter::backbone(const DeviceBatch& batch, KVPool& pool) {
                                  s.k, s.v, pool, static_cast<int64_t>(l));
     backend_.paged_attention(s.q, pool, static_cast<int64_t>(l), layer_meta(batch, l), s.attn);
     backend_.linear(s.attn.reshape({t, nh * hd}), w.o, s.proj);
-    conv_finish(c.attention, s.proj, deltas, block, conv_out);
-    backend_.add(residual, conv_out, residual);
+    conv_finish_add(c.attention, s.proj, deltas, block, residual);
     // h = h + finish(mlp(prepare(norm(h))))
     backend_.rms_norm(residual, w.post_norm, g.eps, s.normed);
     conv_prepare(c.mlp, s.normed, block, deltas, conv_in);
     backend_.linear(conv_in, w.gate_up, s.gate_up);
     backend_.silu_mul(s.gate_up, s.act);
     backend_.linear(s.act, w.down, s.proj);
-    conv_finish(c.mlp, s.proj, deltas, block, conv_out);
-    backend_.add(residual, conv_out, residual);
+    conv_finish_add(c.mlp, s.proj, deltas, block, residual);
   }
   Tensor normed = backend_.empty({t, h}, dt);
   backend_.rms_norm(residual, norm_, g.eps, normed);

@@ -36,10 +36,10 @@ class DFlash2Drafter : public DFlashDrafter {
   struct LayerConvs {
     Conv attention, mlp;
   };
-  // The conv around a sublayer: prepare(x) -> out, with both sides' deltas [T, 2 T G] from x;
-  // finish(y, deltas) -> out.
+  // The conv around a sublayer: prepare(x) -> out, with both sides' deltas [N, 2 T G] from x;
+  // residual += finish(y, deltas).
   void conv_prepare(const Conv& conv, const Tensor& x, int64_t block, Tensor& deltas, Tensor& out);
-  void conv_finish(const Conv& conv, const Tensor& y, const Tensor& deltas, int64_t block, Tensor& out);
+  void conv_finish_add(const Conv& conv, const Tensor& y, const Tensor& deltas, int64_t block, Tensor& residual);
 
   std::vector<LayerConvs> convs_;
   Tensor pred_codebook_;      // A [V, r]

@@ -11,10 +11,6 @@ std::unique_ptr<Drafter> drafter_create(const DraftConfig& config, const std::st
   if (config.arch == DraftArch::kDFlash) {
     return std::make_unique<DFlashDrafter>(config, draft_dir, backend, target, target_dir);
   }
-  DFLASH_CHECK(backend.kind() == DeviceKind::kCPU, config.path,
-               ": a DFlash2DraftModel runs on the CPU backend only in this version (its CUDA kernels: grouped "
-               "conv, radix top-K, edge scores and the lattice walk, are not built yet); it is never run as DFlash "
-               "(v1) or without its selector. Use device=\"cpu\".");
   return std::make_unique<DFlash2Drafter>(config, draft_dir, backend, target, target_dir);
 }
 

@@ -63,7 +63,8 @@ class Drafter {
 };
 
 // The drafter of `config.arch`, loaded from draft_dir and checked against the target; a
-// DFlash2 drafter on a backend without the DFlash2 ops is refused here, with the reason.
+// DFlash2 drafter whose geometry is beyond the backend's kernel limits (K, rank, taps, vocab)
+// is refused here, with the reason (never truncated).
 std::unique_ptr<Drafter> drafter_create(const DraftConfig& config, const std::string& draft_dir, Backend& backend,
                                         const Transformer& target, const std::string& target_dir);
 

@@ -85,9 +85,6 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
                    "draft_sampling must be 'greedy' or 'probabilistic', got '", config.draft_sampling, "'");
   if (config.draft_sampling == "probabilistic") {
     DFLASH_ARG_CHECK(drafter_ != nullptr, "draft_sampling='probabilistic' needs a draft model");
-    DFLASH_ARG_CHECK(backend_->kind() == DeviceKind::kCPU,
-                     "draft_sampling='probabilistic' runs on the CPU backend only in this version (its CUDA "
-                     "kernels are not built yet); use device='cpu' or draft_sampling='greedy'");
     auto* v1 = dynamic_cast<DFlashDrafter*>(drafter_.get());
     DFLASH_ARG_CHECK(v1 != nullptr && draft_config.arch == DraftArch::kDFlash, config.draft_dir,
                      ": draft_sampling='probabilistic' applies to DFlash (v1) drafters; a DFlash2 drafter walks its "

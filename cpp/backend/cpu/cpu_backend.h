@@ -59,7 +59,7 @@ class CpuBackend final : public Backend {
                                  const Tensor& inv_freq, const Tensor& slots, KVPool& pool) override;
   void scale(Tensor& x, float factor) override;
   void grouped_conv(const Tensor& x, const Tensor& base, const Tensor& deltas, int64_t side, int64_t block,
-                    int64_t group, Tensor& out) override;
+                    int64_t group, bool accumulate, Tensor& out) override;
   void topk_candidates(const Tensor& logits, int64_t k, float multiplier, float softcap, Tensor& ids,
                        Tensor& unary) override;
   void edge_scores(const Tensor& ids, const Tensor& unary, const Tensor& gate, const Tensor& anchors,

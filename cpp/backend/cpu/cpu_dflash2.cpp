@@ -23,7 +23,7 @@ void CpuBackend::scale(Tensor& x, float factor) {
 }
 
 void CpuBackend::grouped_conv(const Tensor& x, const Tensor& base, const Tensor& deltas, int64_t side,
-                              int64_t block, int64_t group, Tensor& out) {
+                              int64_t block, int64_t group, bool accumulate, Tensor& out) {
   const int64_t n = x.dim(0), h = x.dim(1), taps = base.dim(1), groups = h / group;
   DFLASH_CHECK(base.dim(0) == 2 && base.dim(2) == h && h % group == 0 && deltas.dim(0) == n &&
                    deltas.dim(1) == 2 * taps * groups && out.numel() == n * h && (side == 0 || side == 1) &&
@@ -43,7 +43,7 @@ void CpuBackend::grouped_conv(const Tensor& x, const Tensor& base, const Tensor&
         for (int64_t t = 0; t < taps && t <= in_block; ++t) {
           acc += (bp[t * h + c] + d[t * groups + c / group]) * xp[(i - t) * h + c];
         }
-        op[i * h + c] = acc;
+        op[i * h + c] = accumulate ? op[i * h + c] + acc : acc;
       }
     }
   });

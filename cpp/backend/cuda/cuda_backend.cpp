@@ -11,6 +11,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "cuda/kernels.h"
+#include "triton_kernels/lattice_walk.h"
 #include "triton_kernels/triton_attention.h"
 
 namespace dflash {
@@ -104,6 +105,8 @@ CudaBackend::CudaBackend(int device, size_t scratch_bytes) : device_(device), sc
   DFLASH_CUDA_CHECK(cudaMalloc(&attention_workspace_, attention_workspace_bytes_));
   DFLASH_CUDA_CHECK(cudaMalloc(&attention_counters_, kAttentionCounterSlots * sizeof(int32_t)));
   DFLASH_CUDA_CHECK(cudaMemset(attention_counters_, 0, kAttentionCounterSlots * sizeof(int32_t)));
+  DFLASH_CUDA_CHECK(cudaMalloc(&topk_counters_, kTopkCounterSlots * sizeof(int32_t)));
+  DFLASH_CUDA_CHECK(cudaMemset(topk_counters_, 0, kTopkCounterSlots * sizeof(int32_t)));
   gemm_ = std::make_unique<CublasLtGemm>(gemm_workspace_, gemm_workspace_bytes_);
   triton_ = std::make_unique<triton_aot::Modules>();  // every Triton module, loaded once
 }
@@ -118,6 +121,7 @@ CudaBackend::~CudaBackend() {
   if (gemm_workspace_) cudaFree(gemm_workspace_);
   if (attention_workspace_) cudaFree(attention_workspace_);
   if (attention_counters_) cudaFree(attention_counters_);
+  if (topk_counters_) cudaFree(topk_counters_);
   if (scratch_) cudaFree(scratch_);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -372,6 +376,15 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
 
 void CudaBackend::copy_columns(const Tensor& src, Tensor& dst, int64_t col) {
   const int64_t rows = src.dim(0);
+  if (src.dtype == DType::kF32) {
+    DFLASH_CHECK(dst.dtype == DType::kF32, "copy_columns: fp32 source into a ", dtype_name(dst.dtype), " tensor");
+    const int64_t cols = src.numel() / rows, width = dst.numel() / rows;
+    DFLASH_CHECK(col >= 0 && col + cols <= width, "copy_columns: columns [", col, ", ", col + cols, ") of ", width);
+    if (rows == 0 || cols == 0) return;
+    DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(dst.ptr<float>() + col, width * sizeof(float), src.data, cols * sizeof(float),
+                                        cols * sizeof(float), rows, cudaMemcpyDeviceToDevice, stream_));
+    return;
+  }
   DFLASH_CUDA_CHECK(cuda::copy_columns(bf(src), rows, src.numel() / rows, bf(dst), dst.numel() / rows, col, stream_));
 }
 
@@ -457,6 +470,107 @@ void CudaBackend::kv_norm_rope_write_layers(const Tensor& kv, const Tensor& k_no
                                                     i32(positions), inv_freq.ptr<float>(), i32(slots), kv.dim(0),
                                                     pool.num_layers, pool.num_kv_heads, pool.head_dim, layer_elems,
                                                     bf(pool.k), bf(pool.v), stream_));
+}
+
+void CudaBackend::dflash2_check_limits(int64_t top_k, int64_t rank, int64_t taps, int64_t vocab) const {
+  DFLASH_CHECK(top_k >= 1 && top_k <= cuda::kTopkMaxK, "selector_top_k ", top_k, " is above the CUDA top-K and walk "
+               "kernels' limit of ", cuda::kTopkMaxK);
+  DFLASH_CHECK(rank >= 1 && rank <= cuda::kEdgeMaxRank, "selector_rank ", rank, " is above the CUDA edge kernel's "
+               "limit of ", cuda::kEdgeMaxRank);
+  DFLASH_CHECK(taps >= 1 && taps <= cuda::kConvMaxTaps, "conv_kernel_size ", taps, " is above the CUDA conv "
+               "kernel's limit of ", cuda::kConvMaxTaps);
+  DFLASH_CHECK(vocab <= cuda::kTopkMaxVocab, "the vocabulary of ", vocab, " tokens is above the CUDA top-K "
+               "kernel's limit of ", cuda::kTopkMaxVocab);
+}
+
+void CudaBackend::scale(Tensor& x, float factor) {
+  check_bf16(x, "scale");
+  DFLASH_CUDA_CHECK(cuda::scale_bf16(bf(x), x.numel(), factor, stream_));
+}
+
+void CudaBackend::grouped_conv(const Tensor& x, const Tensor& base, const Tensor& deltas, int64_t side,
+                               int64_t block, int64_t group, bool accumulate, Tensor& out) {
+  const int64_t n = x.dim(0), h = x.dim(1), taps = base.dim(1);
+  DFLASH_CHECK(base.dim(0) == 2 && base.dim(2) == h && group >= 1 && h % group == 0 && deltas.dim(0) == n &&
+                   deltas.dim(1) == 2 * taps * (h / group) && out.numel() == n * h,
+               "grouped_conv: x ", shape_str(x.shape), " base ", shape_str(base.shape), " deltas ",
+               shape_str(deltas.shape), " group ", group);
+  check_bf16(x, "grouped_conv x");
+  check_bf16(deltas, "grouped_conv deltas");
+  check_bf16(out, "grouped_conv out");
+  DFLASH_CUDA_CHECK(cuda::grouped_conv(bf(x), bf(base), bf(deltas), n, h, taps, group, side, block, accumulate,
+                                       bf(out), stream_));
+}
+
+void CudaBackend::topk_candidates(const Tensor& logits, int64_t k, float multiplier, float softcap, Tensor& ids,
+                                  Tensor& unary) {
+  const int64_t rows = logits.dim(0), vocab = logits.dim(1);
+  DFLASH_CHECK(logits.dtype == DType::kF32 && ids.numel() == rows * k && unary.numel() == rows * k &&
+                   rows <= kTopkCounterSlots,
+               "topk_candidates: logits ", shape_str(logits.shape), " k ", k, " ids ", shape_str(ids.shape));
+  const size_t ws_bytes = cuda::topk_workspace_bytes(rows, vocab, k);
+  Tensor ws = empty({static_cast<int64_t>(ws_bytes)}, DType::kU8);
+  DFLASH_CUDA_CHECK(cuda::topk_candidates(logits.ptr<float>(), rows, vocab, k, multiplier, softcap,
+                                          ids.ptr<int32_t>(), unary.ptr<float>(), ws.data, ws_bytes, topk_counters_,
+                                          stream_));
+}
+
+void CudaBackend::edge_scores(const Tensor& ids, const Tensor& unary, const Tensor& gate, const Tensor& anchors,
+                              const Tensor& pred_codebook, const Tensor& succ_codebook, Tensor& edges) {
+  const int64_t b = ids.dim(0), slots = ids.dim(1), k = ids.dim(2), rank = gate.dim(-1);
+  DFLASH_CHECK(unary.numel() == b * slots * k && gate.numel() == b * slots * rank && anchors.numel() == b &&
+                   gate.dtype == DType::kF32 && pred_codebook.dim(1) == rank &&
+                   succ_codebook.dim(0) == pred_codebook.dim(0) && succ_codebook.dim(1) == rank &&
+                   edges.numel() == b * slots * k * k,
+               "edge_scores: ids ", shape_str(ids.shape), " gate ", shape_str(gate.shape), " codebooks ",
+               shape_str(pred_codebook.shape));
+  DFLASH_CUDA_CHECK(cuda::edge_scores(ids.ptr<int32_t>(), unary.ptr<float>(), gate.ptr<float>(),
+                                      anchors.ptr<int32_t>(), bf(pred_codebook), bf(succ_codebook), b, slots, k, rank,
+                                      pred_codebook.dim(0), edges.ptr<float>(), stream_));
+}
+
+void CudaBackend::lattice_walk(const Tensor& edges, const Tensor& ids, const Tensor& params, Tensor& drafts,
+                               Tensor& realized) {
+  const int64_t b = ids.dim(0), slots = ids.dim(1), k = ids.dim(2);
+  DFLASH_CHECK(edges.numel() == b * slots * k * k && drafts.numel() == b * slots && realized.numel() == b * slots * k,
+               "lattice_walk: edges ", shape_str(edges.shape), " ids ", shape_str(ids.shape));
+  triton_aot::LatticeWalkArgs a;
+  a.edges = edges.data;
+  a.ids = ids.data;
+  a.params = params.data;
+  a.drafts = drafts.data;
+  a.realized = realized.data;
+  a.num_reqs = static_cast<int32_t>(b);
+  a.slots = static_cast<int32_t>(slots);
+  a.k = static_cast<int32_t>(k);
+  const CUresult r = triton_aot::lattice_walk(*triton_, stream_, a);
+  DFLASH_CHECK(r == CUDA_SUCCESS, "Triton lattice walk failed (CUresult ", static_cast<int>(r), ")");
+}
+
+void CudaBackend::accept_candidates(const Tensor& drafts, const Tensor& ids, const Tensor& realized,
+                                    const Tensor& logits, const Tensor& params, Tensor& num_accepted,
+                                    Tensor& next_token) {
+  const bool dense = ids.shape.empty();  // no candidate ids: dense rows over the vocabulary
+  const int64_t rows = drafts.dim(0), n = drafts.dim(1), vocab = logits.dim(-1);
+  const int64_t k = dense ? realized.dim(-1) : ids.dim(-1);
+  DFLASH_CHECK(logits.dtype == DType::kF32 && realized.dtype == DType::kF32 &&
+                   (dense ? k == vocab : ids.numel() == rows * n * k) && realized.numel() == rows * n * k &&
+                   logits.numel() == rows * (n + 1) * vocab,
+               "accept_candidates: drafts ", shape_str(drafts.shape), " ids ", shape_str(ids.shape), " realized ",
+               shape_str(realized.shape), " logits ", shape_str(logits.shape));
+  DFLASH_CUDA_CHECK(cuda::accept_candidates(drafts.ptr<int32_t>(), dense ? nullptr : ids.ptr<int32_t>(),
+                                            realized.ptr<float>(), k, logits.ptr<float>(), rows, n, vocab,
+                                            static_cast<const cuda::SampleParams*>(params.data),
+                                            num_accepted.ptr<int32_t>(), next_token.ptr<int32_t>(), stream_));
+}
+
+void CudaBackend::sample_drafts(const Tensor& logits, const Tensor& params, int64_t n, Tensor& drafts) {
+  const int64_t rows = logits.dim(0), vocab = logits.dim(1);
+  DFLASH_CHECK(logits.dtype == DType::kF32 && n >= 1 && rows % n == 0 && drafts.numel() == rows,
+               "sample_drafts: logits ", shape_str(logits.shape), " n ", n, " drafts ", shape_str(drafts.shape));
+  DFLASH_CUDA_CHECK(cuda::sample_drafts(logits.ptr<float>(), rows, n, vocab,
+                                        static_cast<const cuda::SampleParams*>(params.data), drafts.ptr<int32_t>(),
+                                        stream_));
 }
 
 std::shared_ptr<void> CudaBackend::host_alloc(size_t bytes) {

@@ -84,6 +84,21 @@ class CudaBackend final : public Backend {
                        Tensor& drafts, Tensor& verify_ids) override;
   void kv_norm_rope_write_layers(const Tensor& kv, const Tensor& k_norm, float eps, const Tensor& positions,
                                  const Tensor& inv_freq, const Tensor& slots, KVPool& pool) override;
+
+  void dflash2_check_limits(int64_t top_k, int64_t rank, int64_t taps, int64_t vocab) const override;
+  void scale(Tensor& x, float factor) override;
+  void grouped_conv(const Tensor& x, const Tensor& base, const Tensor& deltas, int64_t side, int64_t block,
+                    int64_t group, bool accumulate, Tensor& out) override;
+  void topk_candidates(const Tensor& logits, int64_t k, float multiplier, float softcap, Tensor& ids,
+                       Tensor& unary) override;
+  void edge_scores(const Tensor& ids, const Tensor& unary, const Tensor& gate, const Tensor& anchors,
+                   const Tensor& pred_codebook, const Tensor& succ_codebook, Tensor& edges) override;
+  void lattice_walk(const Tensor& edges, const Tensor& ids, const Tensor& params, Tensor& drafts,
+                    Tensor& realized) override;
+  void accept_candidates(const Tensor& drafts, const Tensor& ids, const Tensor& realized, const Tensor& logits,
+                         const Tensor& params, Tensor& num_accepted, Tensor& next_token) override;
+  void sample_drafts(const Tensor& logits, const Tensor& params, int64_t n, Tensor& drafts) override;
+
   std::shared_ptr<void> host_alloc(size_t bytes) override;
   void copy_to_device(Tensor& dst, const void* host, size_t bytes) override;
   void copy_to_host(void* host, const Tensor& src, size_t bytes) override;
@@ -120,6 +135,10 @@ class CudaBackend final : public Backend {
   // KV heads. DFLASH_ATTENTION=triton (read at construction) sends every launch to Triton.
   bool cuda_decode_attention_ = true;
   static constexpr int64_t kCudaDecodeMaxPairs = 16;
+  // The radix top-K's per-row completion counters (zero between launches; its partials come
+  // from the step arena).
+  int32_t* topk_counters_ = nullptr;
+  static constexpr int64_t kTopkCounterSlots = 1 << 16;
   void* gemm_workspace_ = nullptr;
   size_t gemm_workspace_bytes_ = 32u << 20;
   std::unique_ptr<CublasLtGemm> gemm_;

@@ -1,0 +1,506 @@
+#!/usr/bin/env python3
+"""Issue 13 benchmark: DFlash2 on the GPU, in ONE job so every ratio compares figures of one run.
+
+Target: the Qwen3-8B geometry with random bf16 weights. Drafters: the published DFlash2 b8
+geometry scaled to it (5 layers, target layers [1, 9, 17, 25, 33], block 8, sliding layers with
+is_causal false and window 2048, K 16, rank 256, group 16, taps 2) and the DFlash (v1) drafter
+of the same backbone weights (same layers, no conv, no selector). Sections (--sections):
+  copy     device-to-device copy bandwidth (the roofline every byte figure is compared with).
+  kernels  each DFlash2 kernel against its PyTorch eager equivalent on the same inputs, both
+           timed as CUDA-graph replays (and eagerly for torch): the grouped conv (20 calls of one
+           side over [8, 4096] and [8, 5120], as vLLM's PR counts them), the radix top-K over the
+           Qwen3 vocabulary (rows = batch x 7 slots at batch 1, 8, 32) vs torch.topk, the edge
+           scores vs gather + einsum, the lattice walk vs a torch loop over the slots.
+  steps    our speculative step, DFlash2 vs DFlash, at batch 1, 8, 32 (context 512, CUDA graphs,
+           greedy; random drafts are rejected, so this measures step time): median step time,
+           and DFlash2 step / DFlash step.
+  profile  CUPTI (torch.profiler) kernel activity of the DFlash2 step at the same batches: time
+           per step of the conv, top-K, edge, walk and acceptance kernels; their share of the step.
+The FP8 candidate head (issue 13 section 5) is not built in this version; the JSON says so.
+Headline keys: dflash2_step_over_dflash_step_bs1, dflash2_extras_share_bs1,
+topk_speedup_vs_torch_bs1.
+
+Usage (GPU machine, dflash installed): python bench/bench_gpu_dflash2.py --out DIR [--quick]
+Writes DIR/gpu_h200_dflash2.json, DIR/gpu_h200_dflash2.png and updates DIR/headline.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import (  # noqa: E402
+    QWEN3_8B,
+    copy_bandwidth,
+    cuda_kernel_totals,
+    free_cuda_memory,
+    qwen3_config,
+    run_record,
+    update_headline,
+    write_json,
+    write_random_model,
+)
+
+RESULT_NAME = "gpu_h200_dflash2"
+DFLASH2_B8 = {"num_layers": 5, "target_layer_ids": [1, 9, 17, 25, 33], "block_size": 8, "mask_token_id": 151669,
+              "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16,
+              "sliding_window": 2048}
+BATCHES = (1, 8, 32)
+CONTEXT = 512
+GOAL_EXTRAS_SHARE_BS1 = 0.02  # conv + top-K + edges + walk <= 2 % of the step at batch 1
+# Kernel families of the DFlash2 extras in CUPTI kernel names (first match wins).
+FAMILIES = [("conv", ("grouped_conv",)), ("topk", ("topk",)), ("edges", ("edge_scores",)),
+            ("walk", ("lattice_walk",)), ("accept_candidates", ("accept_candidates",)),
+            ("scale", ("scale_bf16",))]
+
+
+def log(t0: float, msg: str) -> None:
+    print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing helpers
+
+
+def stream() -> int:
+    import torch
+
+    return torch.cuda.current_stream().cuda_stream
+
+
+def graph_time(calls: list[Callable[[], Any]], trials: int = 20, replays: int = 10) -> float:
+    """Seconds per replay of one CUDA graph of `calls` (median of `trials` timings of `replays`)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(replays):
+            g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3 / replays)
+    del g
+    return statistics.median(times)
+
+
+def eager_time(fn: Callable[[], Any], trials: int = 20, reps: int = 5) -> float:
+    """Seconds per call of `fn` run eagerly (median of `trials` timings of `reps` calls)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / reps)
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels vs PyTorch eager
+
+
+def torch_conv(x, base, deltas, side: int, block: int, group: int):
+    """One side of the grouped dynamic conv in plain torch ops (what an eager module runs)."""
+    import torch
+
+    n, h = x.shape
+    taps = base.shape[1]
+    d = deltas.view(n, 2, taps, h // group)[:, side].repeat_interleave(group, dim=2)  # [N, T, H]
+    coef = base[side].unsqueeze(0) + d
+    pos = (torch.arange(n, device=x.device) % block).unsqueeze(1)
+    out = coef[:, 0] * x
+    for t in range(1, taps):
+        shifted = torch.nn.functional.pad(x[: n - t], (0, 0, t, 0))
+        out = out + coef[:, t] * shifted * (pos >= t)
+    return out
+
+
+def bench_conv(K, hidden: int) -> dict[str, Any]:
+    import torch
+
+    rows, block, group, taps, calls = 8, 8, 16, 2, 20
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    x = torch.randn(rows, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    base = torch.randn(2, taps, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    deltas = torch.randn(rows, 2 * taps * hidden // group, device="cuda", generator=g).to(torch.bfloat16)
+    out = torch.empty_like(x)
+    ours = graph_time([lambda s=s: K.cuda_grouped_conv(x, base, deltas, s % 2, block, group, False, out, stream=stream())
+                       for s in range(calls)])
+    eager = eager_time(lambda: [torch_conv(x, base, deltas, s % 2, block, group) for s in range(calls)])
+    graphed = graph_time([lambda s=s: torch_conv(x, base, deltas, s % 2, block, group) for s in range(calls)])
+    return {"shape": [rows, hidden], "calls": calls, "ours_graph_s": ours, "torch_eager_s": eager,
+            "torch_graph_s": graphed, "speedup_vs_torch_eager": eager / ours, "speedup_vs_torch_graph": graphed / ours}
+
+
+def bench_topk(K, rows: int, vocab: int, k: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randn(rows, vocab, device="cuda", generator=g) * 3
+    ids = torch.empty(rows, k, device="cuda", dtype=torch.int32)
+    unary = torch.empty(rows, k, device="cuda")
+    ws = torch.empty(K.cuda_topk_workspace_bytes(rows, vocab, k), device="cuda", dtype=torch.uint8)
+    counters = torch.zeros(rows, device="cuda", dtype=torch.int32)
+    ours = graph_time([lambda: K.cuda_topk_candidates(logits, k, 1.0, 0.0, ids, unary, ws, counters, stream=stream())])
+    torch_graph = graph_time([lambda: torch.topk(logits, k, dim=-1, sorted=True)])
+    torch_eager = eager_time(lambda: torch.topk(logits, k, dim=-1, sorted=True))
+    K.cuda_topk_candidates(logits, k, 1.0, 0.0, ids, unary, ws, counters)
+    want = torch.topk(logits, k, dim=-1, sorted=True)
+    same = bool(torch.equal(want.values, unary))
+    floor = rows * vocab * 4 / (copy_bw_gbs() * 1e9) if copy_bw_gbs() else None
+    return {"rows": rows, "vocab": vocab, "k": k, "ours_graph_s": ours, "torch_topk_graph_s": torch_graph,
+            "torch_topk_eager_s": torch_eager, "speedup_vs_torch_graph": torch_graph / ours,
+            "speedup_vs_torch_eager": torch_eager / ours, "values_equal_torch": same,
+            "read_floor_s": floor}
+
+
+def torch_edges(ids, unary, gate, anchors, A, B):
+    import torch
+
+    pred = torch.cat([anchors.view(-1, 1, 1).expand(-1, 1, ids.shape[2]), ids[:, :-1]], dim=1)
+    a = A[pred.long()].float()
+    b = B[ids.long()].float()
+    return unary.unsqueeze(2) + torch.einsum("bspj,bsj,bscj->bspc", a, gate, b)
+
+
+def bench_edges(K, reqs: int, slots: int = 7, k: int = 16, rank: int = 256, vocab: int = 151936) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(reqs)
+    ids = torch.randint(0, vocab, (reqs, slots, k), device="cuda", generator=g, dtype=torch.int32)
+    unary = torch.randn(reqs, slots, k, device="cuda", generator=g)
+    gate = torch.randn(reqs, slots, rank, device="cuda", generator=g)
+    anchors = torch.randint(0, vocab, (reqs,), device="cuda", generator=g, dtype=torch.int32)
+    A = (torch.randn(vocab, rank, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    B = (torch.randn(vocab, rank, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    edges = torch.empty(reqs, slots, k, k, device="cuda")
+    ours = graph_time([lambda: K.cuda_edge_scores(ids, unary, gate, anchors, A, B, edges, stream=stream())])
+    eager = eager_time(lambda: torch_edges(ids, unary, gate, anchors, A, B))
+    graphed = graph_time([lambda: torch_edges(ids, unary, gate, anchors, A, B)])
+    return {"reqs": reqs, "slots": slots, "k": k, "rank": rank, "ours_graph_s": ours, "torch_eager_s": eager,
+            "torch_graph_s": graphed, "speedup_vs_torch_eager": eager / ours, "speedup_vs_torch_graph": graphed / ours}
+
+
+def torch_walk(edges, ids):
+    """The greedy walk as a torch loop over the slots (what a Python selector runs)."""
+    import torch
+
+    r, s, k, _ = edges.shape
+    prev = torch.zeros(r, dtype=torch.long, device=edges.device)
+    drafts = []
+    ar = torch.arange(r, device=edges.device)
+    for j in range(s):
+        row = edges[ar, j, prev]
+        idx = torch.argmax(row, dim=-1)
+        drafts.append(ids[ar, j, idx])
+        prev = idx
+    return torch.stack(drafts, dim=1)
+
+
+def bench_walk(K, reqs: int, slots: int = 7, k: int = 16) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(reqs)
+    edges = torch.randn(reqs, slots, k, k, device="cuda", generator=g)
+    ids = torch.randint(0, 151936, (reqs, slots, k), device="cuda", generator=g, dtype=torch.int32)
+    drafts = torch.empty(reqs, slots, device="cuda", dtype=torch.int32)
+    realized = torch.empty(reqs, slots, k, device="cuda")
+    temps, seeds, positions = [0.0] * reqs, list(range(reqs)), [100] * reqs
+    ours = graph_time([lambda: K.triton_lattice_walk(edges, ids, temps, seeds, positions, drafts, realized,
+                                                       stream=stream())])
+    eager = eager_time(lambda: torch_walk(edges, ids))
+    graphed = graph_time([lambda: torch_walk(edges, ids)])
+    return {"reqs": reqs, "slots": slots, "k": k, "ours_graph_s": ours, "torch_eager_s": eager,
+            "torch_graph_s": graphed, "speedup_vs_torch_eager": eager / ours}
+
+
+_COPY_BW: dict[str, float] = {}
+
+
+def copy_bw_gbs() -> float | None:
+    return _COPY_BW.get("gbs")
+
+
+# --------------------------------------------------------------------------------------------
+# Whole steps
+
+
+def write_drafters(work: Path, target_cfg: dict, seed: int = 1) -> tuple[Path, Path]:
+    """The DFlash2 b8 drafter (published layout) and the DFlash drafter of the same backbone."""
+    import numpy as np
+    import torch
+
+    from dflash.drafter_format import dflash2_tensor_shapes, write_dflash2_drafter, write_dflash_drafter
+
+    c, geo = target_cfg, DFLASH2_B8
+    shapes = dflash2_tensor_shapes(
+        num_layers=geo["num_layers"], hidden_size=c["hidden_size"], num_heads=c["num_attention_heads"],
+        num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], intermediate_size=c["intermediate_size"],
+        fc_in_features=len(geo["target_layer_ids"]) * c["hidden_size"], vocab_size=c["vocab_size"],
+        conv_kernel_size=geo["conv_kernel_size"], conv_group_size=geo["conv_group_size"],
+        selector_rank=geo["selector_rank"])
+    try:  # bf16 files through ml_dtypes when importable, else fp32 holding bf16 values
+        import ml_dtypes
+
+        bf16 = ml_dtypes.bfloat16
+    except ImportError:
+        bf16 = None
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    weights: dict[str, np.ndarray] = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, device="cuda")
+        elif name.endswith("base_kernel"):
+            t = torch.randn(*shape, generator=g, device="cuda") * 0.05
+            t[:, 0] += 1.0  # near the identity conv
+        else:
+            t = torch.randn(*shape, generator=g, device="cuda") * 0.02
+        t = t.to(torch.bfloat16)
+        weights[name] = t.view(torch.int16).cpu().numpy().view(bf16) if bf16 is not None else t.float().cpu().numpy()
+    dtype = "bfloat16" if bf16 is not None else "float32"
+    common = dict(target_config=target_cfg, num_layers=geo["num_layers"], target_layer_ids=geo["target_layer_ids"],
+                  block_size=geo["block_size"], mask_token_id=geo["mask_token_id"],
+                  layer_types=["sliding_attention"] * geo["num_layers"], sliding_window=geo["sliding_window"],
+                  dtype=dtype)
+    d2 = write_dflash2_drafter(work / "dflash2", **common, weights=weights, conv_kernel_size=geo["conv_kernel_size"],
+                               conv_group_size=geo["conv_group_size"], selector_rank=geo["selector_rank"],
+                               selector_top_k=geo["selector_top_k"], is_causal=False)
+    v1_names = set(shapes) - {n for n in shapes if "_conv." in n or n.startswith("candidate_selector.")}
+    common["layer_types"] = None  # DFlash v1: sliding layers would be causal; full attention (ctx 512 < window)
+    common.pop("sliding_window")
+    d1 = write_dflash_drafter(work / "dflash", **common, weights={n: weights[n] for n in v1_names})
+    del weights
+    free_cuda_memory()
+    return Path(d2), Path(d1)
+
+
+def make_session(model_dir: Path, draft_dir: Path, max_num_seqs: int):
+    from dflash import _core
+
+    cfg = _core.SessionConfig()
+    cfg.device = "cuda"
+    cfg.max_model_len = 2048
+    cfg.kv_cache_tokens = max_num_seqs * 1024 + 4096
+    cfg.max_num_seqs = max_num_seqs
+    cfg.draft_dir = str(draft_dir)
+    return _core.Session(str(model_dir), cfg)
+
+
+def start_requests(sess, batch: int, max_tokens: int) -> list[int]:
+    from dflash import _core
+
+    ids = []
+    for r in range(batch):
+        req = _core.RequestInput()
+        req.prompt = [(7 * r + 13 * i) % 150000 + 10 for i in range(CONTEXT)]
+        s = _core.SamplingConfig()
+        s.max_tokens, s.ignore_eos, s.temperature = max_tokens, True, 0.0
+        req.sampling = s
+        ids.append(sess.add_request(req))
+    for _ in range(8):  # prefill (one step for these sizes) + warm-up decode steps
+        sess.step()
+    return ids
+
+
+def stop_requests(sess, ids: list[int]) -> None:
+    for rid in ids:
+        sess.abort(rid)
+        try:
+            sess.take_result(rid)
+        except ValueError:
+            pass
+
+
+def step_times(sess, batch: int, steps: int) -> dict[str, Any]:
+    ids = start_requests(sess, batch, max_tokens=4 * steps + 64)
+    times = []
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            sess.step()
+            times.append(time.perf_counter() - t)
+    finally:
+        stop_requests(sess, ids)
+    return {"batch": batch, "context": CONTEXT, "steps": steps, "step_s_median": statistics.median(times),
+            "step_s_mean": statistics.fmean(times), "step_s_min": min(times)}
+
+
+def profile_step(sess, batch: int, steps: int) -> dict[str, Any]:
+    import torch
+
+    ids = start_requests(sess, batch, max_tokens=4 * steps + 64)
+    try:
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(steps):
+                sess.step()
+            torch.cuda.synchronize()
+    finally:
+        stop_requests(sess, ids)
+    fams: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"us_per_step": 0.0, "launches_per_step": 0.0})
+    total = 0.0
+    for name, (us, n) in cuda_kernel_totals(prof).items():
+        total += us
+        fam = next((f for f, keys in FAMILIES if any(k in name for k in keys)), None)
+        if fam is not None:
+            fams[fam]["us_per_step"] += us / steps
+            fams[fam]["launches_per_step"] += n / steps
+    return {"batch": batch, "steps": steps, "gpu_busy_us_per_step": total / steps,
+            "families": {k: dict(v) for k, v in fams.items()}}
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--sections", default="copy,kernels,steps,profile")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="fewer steps and kernel points")
+    args = ap.parse_args(argv)
+    sections = set(args.sections.split(","))
+    out_dir = Path(args.out)
+    path = out_dir / f"{RESULT_NAME}.json"
+    res: dict[str, Any] = {**run_record(RESULT_NAME), "geometry": {"target": QWEN3_8B, "dflash2": DFLASH2_B8},
+                           "fp8_candidate_head": "not built in this version (issue 13 section 5 is open)"}
+    t0 = time.perf_counter()
+    steps = 10 if args.quick else args.steps
+
+    def save() -> None:
+        write_json(path, res)
+
+    from dflash._core import testing as K
+
+    if "copy" in sections:
+        _COPY_BW["gbs"] = res["copy_bw_gbs"] = copy_bandwidth() / 1e9
+        log(t0, f"copy bandwidth {res['copy_bw_gbs']:.0f} GB/s")
+        save()
+    if "kernels" in sections:
+        kr = res.setdefault("kernels", {})
+        for name, fn in [("conv_8x4096", lambda: bench_conv(K, 4096)), ("conv_8x5120", lambda: bench_conv(K, 5120))] + \
+                [(f"topk_bs{b}", lambda b=b: bench_topk(K, 7 * b, QWEN3_8B["vocab_size"], 16)) for b in BATCHES] + \
+                [(f"edges_bs{b}", lambda b=b: bench_edges(K, b)) for b in BATCHES] + \
+                [(f"walk_bs{b}", lambda b=b: bench_walk(K, b)) for b in BATCHES]:
+            try:
+                kr[name] = fn()
+                log(t0, f"{name}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                                for k, v in kr[name].items()))
+            except Exception as e:  # noqa: BLE001 - record and go on
+                kr[name] = {"error": f"{type(e).__name__}: {e}"}
+                log(t0, f"{name}: FAILED {e}")
+                traceback.print_exc()
+            save()
+    if sections & {"steps", "profile"}:
+        work = Path(tempfile.mkdtemp(prefix="dflash2_bench_"))
+        model = work / "target"
+        write_random_model(model)
+        d2, d1 = write_drafters(work, qwen3_config(QWEN3_8B))
+        log(t0, f"wrote the random target and drafters under {work}")
+        sess2 = make_session(model, d2, max(BATCHES))
+        sess1 = make_session(model, d1, max(BATCHES))
+        log(t0, "sessions loaded")
+        st = res.setdefault("steps", {})
+        for b in BATCHES:
+            for label, sess in (("dflash", sess1), ("dflash2", sess2)):  # interleaved: same conditions
+                st.setdefault(label, {})[f"bs{b}"] = step_times(sess, b, steps)
+            r = st["dflash2"][f"bs{b}"]["step_s_median"] / st["dflash"][f"bs{b}"]["step_s_median"]
+            st.setdefault("dflash2_over_dflash", {})[f"bs{b}"] = r
+            log(t0, f"batch {b}: dflash {st['dflash'][f'bs{b}']['step_s_median'] * 1e3:.3f} ms, dflash2 "
+                    f"{st['dflash2'][f'bs{b}']['step_s_median'] * 1e3:.3f} ms, ratio {r:.4f}")
+            save()
+        if "profile" in sections:
+            pr = res.setdefault("profile", {})
+            for b in BATCHES:
+                p = profile_step(sess2, b, min(steps, 10))
+                step_s = st["dflash2"][f"bs{b}"]["step_s_median"]
+                extras = sum(p["families"].get(f, {}).get("us_per_step", 0.0) for f in ("conv", "topk", "edges", "walk"))
+                p["extras_us_per_step"] = extras
+                p["extras_share_of_step"] = extras * 1e-6 / step_s
+                p["step_difference_share"] = (step_s - st["dflash"][f"bs{b}"]["step_s_median"]) / step_s
+                pr[f"bs{b}"] = p
+                log(t0, f"profile batch {b}: {p['families']}, extras {extras:.1f} us/step = "
+                        f"{p['extras_share_of_step'] * 100:.2f} % of the step")
+                save()
+        del sess1, sess2
+        free_cuda_memory()
+    headline: dict[str, Any] = {}
+    st = res.get("steps", {})
+    if "dflash2_over_dflash" in st:
+        headline["dflash2_step_over_dflash_step_bs1"] = round(st["dflash2_over_dflash"]["bs1"], 4)
+    if "bs1" in res.get("profile", {}):
+        headline["dflash2_extras_share_bs1"] = round(res["profile"]["bs1"]["extras_share_of_step"], 5)
+    topk = res.get("kernels", {}).get("topk_bs1", {})
+    if "speedup_vs_torch_graph" in topk:
+        headline["topk_speedup_vs_torch_bs1"] = round(topk["speedup_vs_torch_graph"], 3)
+    if "dflash2_extras_share_bs1" in headline:
+        res["goals"] = {"extras_share_bs1": {"goal": GOAL_EXTRAS_SHARE_BS1, "measured": headline["dflash2_extras_share_bs1"],
+                                             "met": headline["dflash2_extras_share_bs1"] <= GOAL_EXTRAS_SHARE_BS1}}
+    res["headline"] = headline
+    save()
+    if headline:
+        update_headline(out_dir, headline, stamp_prefix="dflash2_")
+    plot(res, out_dir / f"{RESULT_NAME}.png")
+    log(t0, f"wrote {path}; headline {headline}")
+
+
+def plot(res: dict[str, Any], png: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    st = res.get("steps", {})
+    if "dflash" not in st:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    bs = [b for b in BATCHES if f"bs{b}" in st.get("dflash2", {})]
+    x = range(len(bs))
+    ax[0].bar([i - 0.2 for i in x], [st["dflash"][f"bs{b}"]["step_s_median"] * 1e3 for b in bs], 0.4, label="DFlash")
+    ax[0].bar([i + 0.2 for i in x], [st["dflash2"][f"bs{b}"]["step_s_median"] * 1e3 for b in bs], 0.4, label="DFlash2")
+    ax[0].set_xticks(list(x), [f"batch {b}" for b in bs])
+    ax[0].set_ylabel("step time (ms)")
+    ax[0].set_title("Qwen3-8B geometry, context 512, H200")
+    ax[0].legend()
+    kr = res.get("kernels", {})
+    names = [n for n in kr if "speedup_vs_torch_graph" in kr[n]]
+    ax[1].barh(names, [kr[n]["speedup_vs_torch_graph"] for n in names])
+    ax[1].set_xlabel("speedup vs the same torch ops in a CUDA graph")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+# tests/gpu/test_cuda_dflash2.py
+#
+# DFlash2 on the CUDA backend. Kernels (grouped conv, bf16 scale, edge scores) against short
+# torch references over odd sizes; whole drafters (published layout too: sliding layers with
+# is_causal false) in CUDA graphs: greedy speculative output equals target greedy on the GPU
+# (or diverges only where the fp32 top-2 gap is within the bf16 tolerance), graphs equal eager,
+# the candidates / edges / walk of propose_details agree with the CPU backend and with each
+# other, chi-squared exactness of the K-candidate proposal and of probabilistic DFlash (v1)
+# drafts on the GPU, no leaked KV blocks, and refusals of geometries beyond the kernels' limits.
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import dflash
+from dflash import _core
+from dflash.drafter_format import write_dflash2_drafter, write_dflash_drafter
+from tests.gpu.gpu_helpers import kernel_ops, torch
+
+pytestmark = pytest.mark.skipif(not _core.cuda_usable(), reason="needs the CUDA backend and a Hopper GPU")
+
+DEV = "cuda"
+PROMPTS = [[17, 42, 99, 7, 250, 31], [5, 6, 7, 8], list(range(40, 70)), [300, 2, 301, 3, 302]]
+
+
+def _cfg(target):
+    return json.loads((target / "config.json").read_text())
+
+
+def _bf16(*shape, seed, scale=1.0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+
+
+def conv_ref(x, base, deltas, side, block, group):
+    """The grouped dynamic conv's explicit loop (spec 2.1) over fp32 copies of the bf16 inputs."""
+    n, h = x.shape
+    taps = base.shape[1]
+    groups = h // group
+    d = deltas.float().view(n, 2, taps, groups)[:, side]  # [N, T, G]
+    coef = base.float()[side].unsqueeze(0) + d.repeat_interleave(group, dim=2)  # [N, T, H]
+    out = torch.zeros(n, h, device=x.device)
+    pos = torch.arange(n, device=x.device) % block
+    xf = x.float()
+    for t in range(taps):
+        shifted = torch.zeros_like(xf)
+        shifted[t:] = xf[: n - t]
+        out += coef[:, t] * shifted * (pos >= t).unsqueeze(1)
+    return out
+
+
+@pytest.mark.parametrize("rows,block,hidden,group,taps", [
+    (8, 8, 4096, 16, 2), (16, 8, 5120, 16, 2), (15, 5, 128, 8, 3), (12, 4, 72, 4, 4), (7, 7, 24, 24, 1),
+    (32, 16, 120, 12, 2),
+])
+@pytest.mark.parametrize("side", [0, 1])
+def test_grouped_conv(rows, block, hidden, group, taps, side):
+    K = kernel_ops()
+    x = _bf16(rows, hidden, seed=rows + hidden)
+    base = _bf16(2, taps, hidden, seed=3, scale=0.5)
+    deltas = _bf16(rows, 2 * taps * (hidden // group), seed=4, scale=0.5)
+    want = conv_ref(x, base, deltas, side, block, group)
+    out = torch.full((rows, hidden), float("nan"), device=DEV, dtype=torch.bfloat16)
+    K.cuda_grouped_conv(x, base, deltas, side, block, group, False, out)
+    torch.testing.assert_close(out.float(), want, rtol=2 ** -7, atol=1e-2)
+    # accumulate: a residual stream gets the conv added (one rounding)
+    residual = _bf16(rows, hidden, seed=9)
+    acc = residual.clone()
+    K.cuda_grouped_conv(x, base, deltas, side, block, group, True, acc)
+    torch.testing.assert_close(acc.float(), residual.float() + want, rtol=2 ** -7, atol=2e-2)
+
+
+def test_grouped_conv_refusals():
+    K = kernel_ops()
+    x = _bf16(6, 64, seed=1)
+    base = _bf16(2, 2, 64, seed=2)
+    deltas = _bf16(6, 2 * 2 * 4, seed=3)
+    out = torch.empty_like(x)
+    with pytest.raises(Exception, match="grouped_conv"):
+        K.cuda_grouped_conv(x, base, deltas, 0, 4, 16, False, out)  # 6 rows are not whole blocks of 4
+    with pytest.raises(Exception, match="grouped_conv"):
+        K.cuda_grouped_conv(x, base, deltas, 2, 3, 16, False, out)  # side 2
+
+
+@pytest.mark.parametrize("n", [1, 7, 4096, 5121])
+def test_scale_bf16(n):
+    x = _bf16(n, seed=n)
+    want = x.float() * 1.7
+    kernel_ops().cuda_scale_bf16(x, 1.7)
+    torch.testing.assert_close(x.float(), want, rtol=2 ** -8, atol=0)
+
+
+def edges_ref(ids, unary, gate, anchors, A, B):
+    r, s, k = ids.shape
+    pred = torch.empty_like(ids)
+    pred[:, 0, :] = anchors.view(r, 1)
+    pred[:, 1:, :] = ids[:, :-1, :]
+    a = A.float()[pred.long()]  # [R, S, K, r]
+    b = B.float()[ids.long()]  # [R, S, K, r]
+    return unary.unsqueeze(2) + torch.einsum("bspj,bsj,bscj->bspc", a, gate, b)
+
+
+@pytest.mark.parametrize("reqs,slots,k,rank,vocab", [
+    (1, 7, 16, 256, 151936), (8, 7, 16, 256, 5000), (3, 15, 5, 24, 300), (2, 3, 64, 1024, 2000), (32, 7, 16, 256, 999),
+    (1, 1, 1, 7, 10),
+])
+def test_edge_scores(reqs, slots, k, rank, vocab):
+    g = torch.Generator(device=DEV).manual_seed(reqs * 100 + k)
+    ids = torch.stack([torch.randperm(vocab, device=DEV, generator=g)[:k] for _ in range(reqs * slots)]).view(
+        reqs, slots, k).to(torch.int32)
+    unary = torch.randn(reqs, slots, k, device=DEV, generator=g)
+    gate = torch.randn(reqs, slots, rank, device=DEV, generator=g)
+    anchors = torch.randint(0, vocab, (reqs,), device=DEV, generator=g, dtype=torch.int32)
+    A = _bf16(vocab, rank, seed=5, scale=0.3)
+    B = _bf16(vocab, rank, seed=6, scale=0.3)
+    edges = torch.full((reqs, slots, k, k), float("nan"), device=DEV)
+    kernel_ops().cuda_edge_scores(ids, unary, gate, anchors, A, B, edges)
+    want = edges_ref(ids, unary, gate, anchors, A, B)
+    err = (edges - want).abs().max().item()
+    print(f"edges R={reqs} S={slots} K={k} r={rank}: max abs err {err:.3g}")
+    torch.testing.assert_close(edges, want, rtol=1e-5, atol=1e-4)
+    # slot 0: every predecessor row is the anchor's
+    assert torch.equal(edges[:, 0, 0], edges[:, 0, -1])
+    again = torch.empty_like(edges)
+    kernel_ops().cuda_edge_scores(ids, unary, gate, anchors, A, B, again)
+    assert torch.equal(edges, again)
+
+
+# --------------------------------------------------------------------------------------------
+# Whole drafters
+
+
+def _dflash2(tmp_path, target, name="d2", **kw):
+    kw.setdefault("num_layers", 1)
+    kw.setdefault("target_layer_ids", [0, 1])
+    kw.setdefault("block_size", 4)
+    kw.setdefault("conv_group_size", 16)
+    kw.setdefault("selector_rank", 16)
+    kw.setdefault("selector_top_k", 8)
+    return write_dflash2_drafter(tmp_path / name, target_config=_cfg(target), **kw)
+
+
+def _greedy(sess, prompts, max_tokens=24):
+    params = dflash.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in sess.generate(prompts, params)]
+
+
+GEOMETRIES = [
+    ("llama_hd64", dict(block_size=4, conv_kernel_size=2, conv_group_size=16, selector_top_k=8)),
+    ("llama_hd64", dict(block_size=8, conv_kernel_size=3, conv_group_size=8, selector_top_k=32, output_multiplier=0.5,
+                        final_logit_softcapping=3.0, input_embedding_scale=1.5, num_layers=2)),
+    # the published layout: sliding layers with is_causal false (symmetric windows)
+    ("qwen3_hd128", dict(block_size=8, num_layers=2, layer_types=["sliding_attention"] * 2, sliding_window=4,
+                         is_causal=False, selector_top_k=16, dtype="bfloat16")),
+    ("qwen3_hd64_tied_bf16", dict(block_size=16, conv_group_size=16, selector_top_k=64, selector_rank=64)),
+]
+
+
+@pytest.mark.parametrize("preset,geometry", GEOMETRIES)
+def test_greedy_speculative_equals_target_greedy_on_gpu(tmp_path, tiny_model_dirs, preset, geometry):
+    from tests.gpu.test_cuda_models import TOL_FACTOR, _check_greedy, bf16_floor
+
+    target = tiny_model_dirs[preset]
+    d = _dflash2(tmp_path, target, **geometry)
+    spec = dflash.Session(target, draft=d, device="cuda")
+    eager = dflash.Session(target, draft=d, device="cuda", cuda_graphs=False)
+    ar = dflash.Session(target, device="cuda")
+    cpu = dflash.Session(target, device="cpu", num_threads=2)
+    got, want = _greedy(spec, PROMPTS), _greedy(ar, PROMPTS)
+    floor = bf16_floor(preset, tiny_model_dirs, cpu)
+    for p, g, w in zip(PROMPTS, got, want):
+        _check_greedy(cpu, p, g, w, f"{preset} dflash2(cuda) vs ar(cuda)", TOL_FACTOR * floor)
+    alone = [_greedy(spec, [p])[0] for p in PROMPTS]
+    for p, a, w in zip(PROMPTS, alone, want):
+        _check_greedy(cpu, p, a, w, f"{preset} dflash2(cuda) alone vs ar(cuda)", TOL_FACTOR * floor)
+    assert _greedy(eager, PROMPTS) == got  # graph replay == eager
+    st = spec.stats()
+    assert st["graph_steps"] > 0 and st["eager_steps"] == 0
+    assert eager.stats()["graph_steps"] == 0
+    assert st["num_free_blocks"] == st["num_blocks"]
+
+
+def test_propose_details_on_gpu_match_cpu_and_are_consistent(tmp_path, tiny_model_dirs):
+    target = tiny_model_dirs["llama_hd64"]
+    d = _dflash2(tmp_path, target, block_size=8, selector_top_k=16, selector_rank=32, output_multiplier=0.7,
+                 final_logit_softcapping=5.0)
+    gpu = dflash.Session(target, draft=d, device="cuda")
+    cpu = dflash.Session(target, draft=d, device="cpu", num_threads=2)
+    for prompt in PROMPTS:
+        g, c = gpu.propose_details(prompt), cpu.propose_details(prompt)
+        k = g["k"]
+        n = len(g["draft_ids"])
+        # the walk follows its own lattice: draft s = candidate argmax of the row of the previous pick
+        prev = 0
+        for s in range(n):
+            row = g["edges"][s, prev]
+            assert np.array_equal(np.asarray(g["realized"]).reshape(n, k)[s], row)
+            idx = int(np.argmax(row))
+            assert g["draft_ids"][s] == g["candidate_ids"][s, idx]
+            prev = idx
+        # candidates: the GPU's top-K of its own LM-head logits (bf16 rounding can reorder near-ties)
+        logits = np.asarray(g["draft_logits"])
+        for s in range(n):
+            top = np.sort(logits[s])[::-1][:k]
+            chosen = logits[s][g["candidate_ids"][s]]
+            np.testing.assert_allclose(np.sort(chosen)[::-1], top, rtol=0, atol=0)
+        # against the CPU backend (fp32): the same candidate sets where the logits are well separated
+        same = sum(set(g["candidate_ids"][s]) == set(c["candidate_ids"][s]) for s in range(n))
+        err = float(np.max(np.abs(np.asarray(g["draft_logits"]) - np.asarray(c["draft_logits"]))))
+        print(f"propose: {same}/{n} slots with the CPU's candidate set; max |logit diff| {err:.4f}")
+        assert same >= n // 2
+        for s in range(n):
+            if list(g["candidate_ids"][s]) == list(c["candidate_ids"][s]):
+                np.testing.assert_allclose(np.asarray(g["unary"]).reshape(n, k)[s],
+                                           np.asarray(c["unary"]).reshape(n, k)[s], atol=0.1, rtol=0.05)
+
+
+N = 2000
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_k_candidate_sampling_is_exact_on_gpu(tmp_path, tiny_model_dirs, top_p):
+    from tests.runtime_helpers import assert_no_leaks, sampled_second_tokens
+    from tests.test_dflash_sampling import _chi2_ok, _target_probs
+
+    target = tiny_model_dirs["llama_hd64"]
+    # K = 64 of a tiny vocabulary and nearly flat scores, so drafts are accepted often enough that
+    # both branches of the rejection sampler run.
+    d = _dflash2(tmp_path, target, block_size=4, selector_top_k=64, seed=5, init_std=0.02, output_multiplier=1e-3)
+    spec = dflash.Session(target, draft=d, device="cuda")
+    ar = dflash.Session(target, device="cuda")  # the distribution the GPU target defines
+    prompt, first, T = [17, 42, 99, 7, 250, 31], 120, 0.8
+    probs = _target_probs(ar, prompt, first, T, top_p)
+    results = sampled_second_tokens(spec, prompt, first, temperature=T, top_p=top_p, num_seeds=N)
+    second = np.array([r.token_ids[1] for r in results])
+    chi2, dof, ok = _chi2_ok(second, probs)
+    accepted = sum(r.metrics.num_accepted > 0 for r in results)
+    print(f"GPU DFlash2 top_p={top_p}: chi2={chi2:.1f} dof={dof} first drafts accepted {accepted} / {N}")
+    assert ok, (chi2, dof)
+    assert accepted >= 10
+    assert_no_leaks(spec)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_probabilistic_dflash_drafts_are_exact_on_gpu(tmp_path, tiny_model_dirs, top_p):
+    from tests.runtime_helpers import assert_no_leaks, sampled_second_tokens
+    from tests.test_dflash_sampling import _chi2_ok, _target_probs
+
+    target = tiny_model_dirs["llama_hd64"]
+    d1 = write_dflash_drafter(tmp_path / "d1", target_config=_cfg(target), num_layers=1, target_layer_ids=[0, 1],
+                              block_size=4, init_std=0.02)
+    spec = dflash.Session(target, draft=d1, device="cuda", draft_sampling="probabilistic")
+    ar = dflash.Session(target, device="cuda")
+    prompt, first, T = [17, 42, 99, 7, 250, 31], 120, 0.8
+    probs = _target_probs(ar, prompt, first, T, top_p)
+    results = sampled_second_tokens(spec, prompt, first, temperature=T, top_p=top_p, num_seeds=N)
+    second = np.array([r.token_ids[1] for r in results])
+    chi2, dof, ok = _chi2_ok(second, probs)
+    accepted = sum(r.metrics.num_accepted > 0 for r in results)
+    print(f"GPU probabilistic DFlash top_p={top_p}: chi2={chi2:.1f} dof={dof} accepted {accepted} / {N}")
+    assert ok, (chi2, dof)
+    assert accepted >= 10
+    assert_no_leaks(spec)
+
+
+def test_seeded_sampling_on_gpu_is_reproducible(tmp_path, tiny_model_dirs):
+    target = tiny_model_dirs["qwen3_hd128"]
+    d = _dflash2(tmp_path, target, block_size=5, selector_top_k=16)
+    spec = dflash.Session(target, draft=d, device="cuda")
+    params = [dflash.SamplingParams(max_tokens=16, temperature=0.9, top_k=40, seed=11 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    first = [o.token_ids for o in spec.generate(PROMPTS, params)]
+    again = [o.token_ids for o in spec.generate(PROMPTS, params)]
+    assert first == again
+    st = spec.stats()
+    assert st["num_free_blocks"] == st["num_blocks"]
+
+
+def test_probabilistic_dflash_at_temperature_zero_is_greedy_on_gpu(tmp_path, tiny_model_dirs):
+    from tests.gpu.test_cuda_models import TOL_FACTOR, _check_greedy, bf16_floor
+
+    preset = "qwen3_hd128"
+    target = tiny_model_dirs[preset]
+    d1 = write_dflash_drafter(tmp_path / "d1", target_config=_cfg(target), num_layers=1, target_layer_ids=[0, 1],
+                              block_size=5)
+    prob = dflash.Session(target, draft=d1, device="cuda", draft_sampling="probabilistic")
+    ar = dflash.Session(target, device="cuda")
+    cpu = dflash.Session(target, device="cpu", num_threads=2)
+    floor = bf16_floor(preset, tiny_model_dirs, cpu)
+    for p, g, w in zip(PROMPTS, _greedy(prob, PROMPTS), _greedy(ar, PROMPTS)):
+        _check_greedy(cpu, p, g, w, "probabilistic dflash(cuda) at T=0 vs ar(cuda)", TOL_FACTOR * floor)
+    st = spec.stats()
+    assert st["num_free_blocks"] == st["num_blocks"]
+
+
+def test_geometry_beyond_the_kernel_limits_is_refused(tmp_path, tiny_model_dirs):
+    target = tiny_model_dirs["llama_hd64"]
+    d = _dflash2(tmp_path, target, selector_top_k=65)
+    with pytest.raises(dflash.DFlashError, match=r"selector_top_k 65 is above the CUDA top-K"):
+        dflash.Session(target, draft=d, device="cuda")
+    dflash.Session(target, draft=d, device="cpu", num_threads=1)  # the CPU backend has no such limit
+    d = _dflash2(tmp_path, target, name="r", selector_rank=2048)
+    with pytest.raises(dflash.DFlashError, match=r"selector_rank 2048"):
+        dflash.Session(target, draft=d, device="cuda")
