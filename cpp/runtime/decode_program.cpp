@@ -7,12 +7,6 @@
 
 namespace dflash {
 
-namespace {
-constexpr int64_t kParamWords = static_cast<int64_t>(sizeof(SampleParamsPacked) / sizeof(int32_t));
-
-int64_t round_even(int64_t words) { return (words + 1) / 2 * 2; }
-}  // namespace
-
 int64_t DecodePrograms::trash_blocks(int64_t rows_per_request, int64_t block_size) {
   return BlockTable::blocks_for(rows_per_request, block_size);
 }
@@ -43,42 +37,27 @@ DecodePrograms::DecodePrograms(Backend& backend, Transformer& target, KVPool& ta
   }
 
   const int64_t bmax = config_.max_batch, rows = bmax * q_;
-  int64_t w = 0;
-  auto take = [&](int64_t count) {
-    const int64_t at = w;
-    w = round_even(w + count);
-    return at;
-  };
-  in_ids_ = take(rows);
-  in_verify_ids_ = take(rows);
-  in_positions_ = take(rows);
-  in_slots_ = take(rows);
-  in_query_start_ = take(bmax + 1);
-  in_kv_len_ = take(bmax);
-  in_logit_rows_ = take(bmax * n_);
-  in_override_ = take(bmax * n_);
-  in_use_override_ = take(bmax);
-  in_params_ = take(bmax * kParamWords);
-  in_feed_ = take(bmax);
-  in_anchors_ = take(bmax);
-  in_block_table_ = take(bmax * width_);
-  in_words_ = w;
-  in_dev_ = backend_.zeros({in_words_}, DType::kI32);
-  for (auto& h : in_host_) {
-    h = backend_.host_alloc(static_cast<size_t>(in_words_) * 4);
-    std::memset(h.get(), 0, static_cast<size_t>(in_words_) * 4);
-  }
-
-  w = 0;
-  out_tokens_ = take(bmax);
-  out_drafts_ = take(bmax * n_);
-  out_accepted_ = take(bmax);
-  out_next_ = take(bmax);
-  out_words_ = w;
-  out_dev_ = backend_.zeros({out_words_}, DType::kI32);
-  for (auto& h : out_host_) {
-    h = backend_.host_alloc(static_cast<size_t>(out_words_) * 4);
-    std::memset(h.get(), 0, static_cast<size_t>(out_words_) * 4);
+  StepInputs<int64_t> in_capacity{};
+  in_capacity.ids = in_capacity.verify_ids = in_capacity.positions = in_capacity.slots = rows;
+  in_capacity.query_start = bmax + 1;
+  in_capacity.kv_len = in_capacity.use_override = in_capacity.feed = in_capacity.anchors = bmax;
+  in_capacity.logit_rows = in_capacity.override_drafts = bmax * n_;
+  in_capacity.params = bmax * kSampleParamWords;
+  in_capacity.block_table = bmax * width_;
+  in_layout_ = StepInputLayout(in_capacity);
+  StepOutputs<int64_t> out_capacity{};
+  out_capacity.tokens = out_capacity.num_accepted = out_capacity.next_token = bmax;
+  out_capacity.drafts = bmax * n_;
+  out_layout_ = StepOutputLayout(out_capacity);
+  in_dev_ = backend_.zeros({in_layout_.words()}, DType::kI32);
+  out_dev_ = backend_.zeros({out_layout_.words()}, DType::kI32);
+  in_ = in_layout_.device(in_dev_);
+  out_ = out_layout_.device(out_dev_);
+  for (int slot = 0; slot < 2; ++slot) {
+    in_host_[slot] = backend_.host_alloc(static_cast<size_t>(in_layout_.words()) * 4);
+    std::memset(in_host_[slot].get(), 0, static_cast<size_t>(in_layout_.words()) * 4);
+    out_host_[slot] = backend_.host_alloc(static_cast<size_t>(out_layout_.words()) * 4);
+    std::memset(out_host_[slot].get(), 0, static_cast<size_t>(out_layout_.words()) * 4);
   }
   if (n_ > 0) proposed_ = backend_.zeros({bmax * n_}, DType::kI32);
   const int64_t k = drafter_ ? drafter_->proposal_width() : 0;
@@ -97,22 +76,8 @@ int64_t DecodePrograms::padded(int64_t rows) const {
   return *std::lower_bound(sizes_.begin(), sizes_.end(), rows);
 }
 
-Tensor DecodePrograms::field(int64_t offset, int64_t count) const {
-  Tensor t = in_dev_;
-  t.shape = {count};
-  t.data = static_cast<int32_t*>(in_dev_.data) + offset;
-  return t;
-}
-
-Tensor DecodePrograms::out_field(int64_t offset, int64_t count) const {
-  Tensor t = out_dev_;
-  t.shape = {count};
-  t.data = static_cast<int32_t*>(out_dev_.data) + offset;
-  return t;
-}
-
 void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b, int slot) {
-  int32_t* h = static_cast<int32_t*>(in_host_[slot].get());
+  const StepInputs<int32_t*> h = host_inputs(slot);
   const int64_t bs = config_.block_size, q = q_, n = n_;
   const int32_t mask = drafter_ ? static_cast<int32_t>(drafter_->config().mask_token_id) : 0;
   for (int64_t r = 0; r < b; ++r) {
@@ -122,28 +87,28 @@ void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b, int sl
     const int64_t q0 = real ? row.q0 : 0;
     for (int64_t j = 0; j < q; ++j) {
       const int64_t i = r * q + j;
-      h[in_ids_ + i] = j == 0 ? row.anchor : mask;
-      h[in_verify_ids_ + i] = j == 0 ? row.anchor : 0;
-      h[in_positions_ + i] = static_cast<int32_t>(q0 + j);
-      h[in_slots_ + i] = real ? row.blocks->slot(q0 + j) : static_cast<int32_t>(config_.trash_block * bs + j);
+      h.ids[i] = j == 0 ? row.anchor : mask;
+      h.verify_ids[i] = j == 0 ? row.anchor : 0;
+      h.positions[i] = static_cast<int32_t>(q0 + j);
+      h.slots[i] = real ? row.blocks->slot(q0 + j) : static_cast<int32_t>(config_.trash_block * bs + j);
     }
-    h[in_query_start_ + r] = static_cast<int32_t>(r * q);
-    h[in_kv_len_ + r] = static_cast<int32_t>(q0 + q);
+    h.query_start[r] = static_cast<int32_t>(r * q);
+    h.kv_len[r] = static_cast<int32_t>(q0 + q);
     for (int64_t j = 0; j < n; ++j) {
-      h[in_logit_rows_ + r * n + j] = static_cast<int32_t>(r * q + 1 + j);
-      h[in_override_ + r * n + j] = row.override_drafts ? row.override_drafts[j] : 0;
+      h.logit_rows[r * n + j] = static_cast<int32_t>(r * q + 1 + j);
+      h.override_drafts[r * n + j] = row.override_drafts ? row.override_drafts[j] : 0;
     }
-    h[in_use_override_ + r] = row.override_drafts ? 1 : 0;
+    h.use_override[r] = row.override_drafts ? 1 : 0;
     DFLASH_CHECK(row.feed < 0 || (config_.feed && n == 0), "a fed anchor needs an AR program built with feed");
-    h[in_feed_ + r] = row.feed;
-    h[in_anchors_ + r] = row.anchor;
+    h.feed[r] = row.feed;
+    h.anchors[r] = row.anchor;
     DFLASH_CHECK(!row.override_drafts || !drafter_ || drafter_->proposal_kind() == ProposalKind::kOneHot,
                  "override drafts (a test hook) are one-hot proposals; this drafter proposes distributions");
     SampleRow s = real ? row.sample : SampleRow{};
     if (!real) s.position = 1;
     const SampleParamsPacked p = sample_params_pack(s);
-    std::memcpy(h + in_params_ + r * kParamWords, &p, sizeof(p));
-    int32_t* table = h + in_block_table_ + r * width_;
+    std::memcpy(h.params + r * kSampleParamWords, &p, sizeof(p));
+    int32_t* table = h.block_table + r * width_;
     if (real) {
       const std::vector<int32_t>& blocks = row.blocks->blocks();
       DFLASH_CHECK(static_cast<int64_t>(blocks.size()) <= width_, "a request holds ", blocks.size(),
@@ -156,26 +121,27 @@ void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b, int sl
       }
     }
   }
-  h[in_query_start_ + b] = static_cast<int32_t>(b * q);
-  const int64_t words = in_block_table_ + b * width_;
-  backend_.copy_to_device(in_dev_, h, static_cast<size_t>(words) * 4);
+  h.query_start[b] = static_cast<int32_t>(b * q);
+  // The block table is the last field: the copy covers its first b rows only.
+  const int64_t words = in_layout_.offsets().block_table + b * width_;
+  backend_.copy_to_device(in_dev_, in_host_[slot].get(), static_cast<size_t>(words) * 4);
 }
 
 void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
   const int64_t q = q_, n = n_, t = b * q;
   DeviceBatch d;
   d.num_tokens = t;
-  d.token_ids = field(in_ids_, t);
-  d.positions = field(in_positions_, t);
-  d.slots = field(in_slots_, t);
+  d.token_ids = in_.ids.rows(0, t);
+  d.positions = in_.positions.rows(0, t);
+  d.slots = in_.slots.rows(0, t);
   d.meta.num_seqs = static_cast<int>(b);
   d.meta.max_blocks_per_seq = static_cast<int>(width_);
   d.meta.max_query_len = static_cast<int>(q);
   d.meta.max_kv_len = static_cast<int>(config_.max_model_len + q);
-  d.meta.query_start = field(in_query_start_, b + 1);
-  d.meta.kv_len = field(in_kv_len_, b);
-  d.meta.block_table = field(in_block_table_, b * width_).reshape({b, width_});
-  Tensor params = field(in_params_, b * kParamWords);
+  d.meta.query_start = in_.query_start.rows(0, b + 1);
+  d.meta.kv_len = in_.kv_len.rows(0, b);
+  d.meta.block_table = in_.block_table.rows(0, b * width_).reshape({b, width_});
+  Tensor params = in_.params.rows(0, b * kSampleParamWords);
   params.dtype = DType::kU8;
   params.shape = {b * static_cast<int64_t>(sizeof(SampleParamsPacked))};
   auto mark = [&](int p) {
@@ -184,12 +150,12 @@ void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
 
   if (n == 0) {
     if (config_.feed) {  // pipelined steps: anchors from the previous step's tokens (before they are overwritten)
-      backend_.feed_tokens(d.token_ids, field(in_feed_, b), out_field(out_tokens_, config_.max_batch));
+      backend_.feed_tokens(d.token_ids, in_.feed.rows(0, b), out_.tokens);
     }
     d.meta.causal = true;
     d.all_logit_rows = true;
     ForwardResult fwd = target_.forward(d, target_pool_);
-    Tensor tokens = out_field(out_tokens_, b);
+    Tensor tokens = out_.tokens.rows(0, b);
     backend_.sample_rows(fwd.logits, params, tokens);
     last_logits_ = fwd.logits;
     return;
@@ -197,30 +163,30 @@ void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
 
   // Draft: [anchor, MASK x n] per request over context + block, through the drafting seam.
   d.meta.causal = false;
-  d.logit_rows = field(in_logit_rows_, b * n);
+  d.logit_rows = in_.logit_rows.rows(0, b * n);
   const int64_t k = drafter_->proposal_width();
   const ProposalKind kind = drafter_->proposal_kind();
   DraftOutputs proposal;
   proposal.drafts = proposed_.rows(0, b * n).reshape({b, n});
   if (kind != ProposalKind::kOneHot) proposal.realized = realized_.rows(0, b * n * k).reshape({b, n, k});
   if (kind == ProposalKind::kCandidates) proposal.cand_ids = cand_ids_.rows(0, b * n * k).reshape({b, n, k});
-  drafter_->propose(d, *draft_pool_, field(in_anchors_, b), params, proposal);
+  drafter_->propose(d, *draft_pool_, in_.anchors.rows(0, b), params, proposal);
   Tensor proposed = proposal.drafts;
-  Tensor drafts = out_field(out_drafts_, b * n).reshape({b, n});
-  Tensor verify_ids = field(in_verify_ids_, t).reshape({b, q});
-  backend_.assemble_drafts(proposed.reshape({b, n}), field(in_override_, b * n).reshape({b, n}),
-                           field(in_use_override_, b), drafts, verify_ids);
+  Tensor drafts = out_.drafts.rows(0, b * n).reshape({b, n});
+  Tensor verify_ids = in_.verify_ids.rows(0, t).reshape({b, q});
+  backend_.assemble_drafts(proposed.reshape({b, n}), in_.override_drafts.rows(0, b * n).reshape({b, n}),
+                           in_.use_override.rows(0, b), drafts, verify_ids);
   mark(0);
   // Verify: [anchor, drafts] causal, every row's logits, taps for the context update.
   DeviceBatch v = d;
-  v.token_ids = field(in_verify_ids_, t);
+  v.token_ids = in_.verify_ids.rows(0, t);
   v.meta.causal = true;
   v.logit_rows = Tensor();
   v.all_logit_rows = true;
   v.want_taps = true;
   ForwardResult fwd = target_.forward(v, target_pool_);
   mark(1);
-  Tensor accepted = out_field(out_accepted_, b), next = out_field(out_next_, b);
+  Tensor accepted = out_.num_accepted.rows(0, b), next = out_.next_token.rows(0, b);
   if (kind != ProposalKind::kOneHot) {  // cand_ids empty for dense proposals
     backend_.accept_candidates(drafts, proposal.cand_ids, proposal.realized, fwd.logits, params, accepted, next);
   } else {
@@ -286,7 +252,7 @@ int DecodePrograms::launch(const std::vector<DecodeRow>& rows, const std::functi
   } else {
     issue(b, phase);
   }
-  backend_.copy_to_host(out_host_[slot].get(), out_dev_, static_cast<size_t>(out_words_) * 4);
+  backend_.copy_to_host(out_host_[slot].get(), out_dev_, static_cast<size_t>(out_layout_.words()) * 4);
   backend_.record_step(slot);
   last_slot_ = slot;
   next_slot_ = slot ^ 1;

@@ -18,6 +18,7 @@
 #include "kv_cache/block_allocator.h"
 #include "model/drafter.h"
 #include "model/transformer.h"
+#include "runtime/step_buffers.h"
 
 namespace dflash {
 
@@ -74,10 +75,10 @@ class DecodePrograms {
   void wait_step(int slot);
   // Outputs of the last run (host memory, valid until the next run). AR: tokens[R].
   // Speculative: drafts[R * n], num_accepted[R], next_token[R].
-  const int32_t* tokens() const { return out_host_i32() + out_tokens_; }
-  const int32_t* drafts() const { return out_host_i32() + out_drafts_; }
-  const int32_t* num_accepted() const { return out_host_i32() + out_accepted_; }
-  const int32_t* next_token() const { return out_host_i32() + out_next_; }
+  const int32_t* tokens() const { return host_outputs(read_slot_).tokens; }
+  const int32_t* drafts() const { return host_outputs(read_slot_).drafts; }
+  const int32_t* num_accepted() const { return host_outputs(read_slot_).num_accepted; }
+  const int32_t* next_token() const { return host_outputs(read_slot_).next_token; }
   // AR: the logits [padded rows, V] (fp32) of the last run, on the backend (valid until the next
   // step); for recordings.
   const Tensor& last_logits() const { return last_logits_; }
@@ -87,9 +88,8 @@ class DecodePrograms {
   // Issues the program's ops for `b` padded rows (eager, or being captured).
   void issue(int64_t b, const std::function<void(int)>& phase);
   void stage(const std::vector<DecodeRow>& rows, int64_t b, int slot);
-  const int32_t* out_host_i32() const { return static_cast<const int32_t*>(out_host_[read_slot_].get()); }
-  Tensor field(int64_t offset, int64_t count) const;
-  Tensor out_field(int64_t offset, int64_t count) const;
+  StepInputs<int32_t*> host_inputs(int slot) const { return in_layout_.host(in_host_[slot].get()); }
+  StepOutputs<int32_t*> host_outputs(int slot) const { return out_layout_.host(out_host_[slot].get()); }
 
   Backend& backend_;
   Transformer& target_;
@@ -104,21 +104,22 @@ class DecodePrograms {
   std::vector<std::unique_ptr<CapturedGraph>> graphs_;  // per entry of sizes_
   std::vector<Tensor> graph_logits_;                    // AR logits tensor of each graph
 
-  // Static inputs (int32 words; one device buffer, two pinned host staging buffers).
-  int64_t in_ids_ = 0, in_verify_ids_ = 0, in_positions_ = 0, in_slots_ = 0, in_query_start_ = 0,
-          in_kv_len_ = 0, in_logit_rows_ = 0, in_override_ = 0, in_use_override_ = 0, in_params_ = 0,
-          in_feed_ = 0, in_anchors_ = 0, in_block_table_ = 0, in_words_ = 0;
-  Tensor in_dev_;
-  std::shared_ptr<void> in_host_[2];
+  // The step's inputs and outputs as typed fields of one buffer each (step_buffers.h): one
+  // host->device copy stages a step's inputs, one device->host copy returns its outputs. Device
+  // views of the inputs (in_) and outputs (out_); two pinned host copies of each (in_host_ and
+  // out_host_[slot]), so two steps can be in flight.
+  StepInputLayout in_layout_;
+  StepOutputLayout out_layout_;
+  Tensor in_dev_, out_dev_;
+  StepInputs<Tensor> in_;
+  StepOutputs<Tensor> out_;
+  std::shared_ptr<void> in_host_[2], out_host_[2];
   int next_slot_ = 0;  // slot of the next launch
   int last_slot_ = 0;  // slot of the last launch
   int read_slot_ = 0;  // slot whose outputs tokens() & co. read
   // Device scratch of the speculative program (the drafter's proposal: drafts [B, n] and, for
-  // K-candidate drafters, cand_ids / realized [B, n, K]) and the outputs.
+  // K-candidate or dense drafters, cand_ids / realized [B, n, K]).
   Tensor proposed_, cand_ids_, realized_;
-  int64_t out_tokens_ = 0, out_drafts_ = 0, out_accepted_ = 0, out_next_ = 0, out_words_ = 0;
-  Tensor out_dev_;
-  std::shared_ptr<void> out_host_[2];
   Tensor last_logits_;
 };
 

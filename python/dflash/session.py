@@ -86,8 +86,8 @@ class Session:
     draft_sampling: DFlash (v1) drafts, "greedy" (default: the argmax of each draft row, verified
         as one-hot proposals) or "probabilistic" (at temperature > 0 each draft is sampled from
         the drafter's softmax(logits / T) on its own random stream and verified by exact
-        rejection sampling against that distribution; CPU backend only for now). DFlash2
-        drafters always walk their candidates (greedy at T = 0, sampled at T > 0).
+        rejection sampling against that distribution). DFlash2 drafters always walk their
+        candidates (greedy at T = 0, sampled at T > 0).
     device: "cpu", "cuda" or "auto" (CUDA when this build has it, else the CPU).
     max_model_len: longest prompt + generation (default: the model's max_position_embeddings).
     kv_cache_tokens: size of the paged KV cache in tokens (default: from max_model_len and
