@@ -2,7 +2,8 @@
 // query per sequence, a GQA group of rows) and other launches with max_query_len * group <= 16.
 // Same inputs and masks as the Triton kernels (triton_kernels/paged_attention.py): q [T, nh, hd],
 // pools [num_blocks, block_size, nkv, hd], ragged query_start / kv_len / block_table, causal,
-// non-causal or sliding-window masks; bf16 in, fp32 softmax and accumulation, bf16 out.
+// non-causal, sliding-window or symmetric-window masks; bf16 in, fp32 softmax and accumulation,
+// bf16 out.
 //
 // Why a hand-written kernel: at small batch the step's attention is latency-bound (a few
 // kilobytes of K/V per CTA), and the Triton decode kernel serialises its latencies (block table,
@@ -72,6 +73,7 @@ struct Params {
   int32_t* counters;  // [num_seqs, nkv], zero between launches
   int num_tokens, num_heads, num_kv_heads, block_size, max_blocks_per_seq, window;
   bool causal;
+  bool symmetric;  // window > 0, not causal: |q_pos - j| < window
   float qk_scale;  // scale * log2(e)
 };
 
@@ -140,8 +142,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   const int rows = min(num_q * group, RB);
   const int kv_len = max(p.kv_len[seq], 0);
 
-  // Keys the rows need: [lo, kv_len) (the last query sits at kv_len - 1; a window drops the
-  // keys before the first query's window).
+  // Keys the rows need: [lo, kv_len) (the last query sits at kv_len - 1; a window, causal or
+  // symmetric, drops the keys before the first query's window).
   int lo = 0;
   if (p.window > 0) lo = max(kv_len - num_q - p.window + 1, 0);
   lo = min(lo, kv_len);
@@ -211,6 +213,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
         bool visible = r < rows && j < c1;
         if (p.causal) visible = visible && j <= q_pos;
         if (p.window > 0) visible = visible && j > q_pos - p.window;
+        if (p.symmetric) visible = visible && j < q_pos + p.window;
         s_s[r][kk] = visible ? s : -INFINITY;
       }
     }
@@ -436,7 +439,9 @@ cudaError_t decode_attention(const DecodeAttentionArgs& a, cudaStream_t stream) 
   p.block_size = a.block_size;
   p.max_blocks_per_seq = a.max_blocks_per_seq;
   p.window = a.window;
-  p.causal = a.causal || a.window > 0;
+  // A symmetric window replaces causality (the CPU backend's rule); any other window is causal.
+  p.symmetric = a.symmetric_window && a.window > 0;
+  p.causal = !p.symmetric && (a.causal || a.window > 0);
   const float scale = a.scale > 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(a.head_dim));
   p.qk_scale = scale * 1.4426950408889634f;
   const int rows = a.max_query_len * (a.num_heads / a.num_kv_heads);

@@ -241,6 +241,9 @@ struct DecodeAttentionArgs {
   int32_t max_query_len = 0, max_kv_len = 0;  // host-known upper bounds
   bool causal = true;
   int32_t window = 0;  // > 0: sliding window (implies causal)
+  // With window > 0 and causal false: a symmetric window instead, keys |q_pos - j| < window
+  // (takes precedence over causal, as in triton_aot::PagedAttentionArgs).
+  bool symmetric_window = false;
   float scale = 0.0f;  // 0: 1 / sqrt(head_dim)
   // Split-KV: fp32 workspace (decode_attention_workspace_bytes) and int32 counters
   // [counter_slots >= num_seqs * num_kv_heads], zeroed once by the owner (the kernel leaves them

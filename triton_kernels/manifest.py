@@ -38,7 +38,7 @@ _PREFILL_PARAMS = (
     ("query_start_ptr", _I32P), ("kv_len_ptr", _I32P), ("block_table_ptr", _I32P),
     ("scale", "fp32"),
     ("num_seqs", "i32"), ("num_heads", "i32"), ("num_kv_heads", "i32"), ("block_size", "i32"),
-    ("max_blocks_per_seq", "i32"), ("causal", "i32"), ("window", "i32"),
+    ("max_blocks_per_seq", "i32"), ("causal", "i32"), ("window", "i32"), ("symmetric", "i32"),
 )
 _DECODE_PARAMS = (
     ("q_ptr", _BF16), ("k_pool_ptr", _BF16), ("v_pool_ptr", _BF16), ("out_ptr", _BF16),
@@ -46,7 +46,7 @@ _DECODE_PARAMS = (
     ("query_start_ptr", _I32P), ("kv_len_ptr", _I32P), ("block_table_ptr", _I32P),
     ("scale", "fp32"),
     ("num_tokens", "i32"), ("num_heads", "i32"), ("num_kv_heads", "i32"), ("block_size", "i32"),
-    ("max_blocks_per_seq", "i32"), ("causal", "i32"), ("window", "i32"),
+    ("max_blocks_per_seq", "i32"), ("causal", "i32"), ("window", "i32"), ("symmetric", "i32"),
 )
 _REDUCE_PARAMS = (
     ("workspace_ptr", _F32P), ("out_ptr", _BF16),

@@ -8,7 +8,9 @@ Layout (one layer):
            sequence s lives in block block_table[s, j // block_size] at offset j % block_size.
   out      [T, num_heads, HEAD_DIM] bf16.
 Masks: causal (key j visible iff j <= q_pos), non-causal (all kv_len keys: the DFlash drafter's
-block), sliding window (window > 0; the caller also sets causal: q_pos - window < j <= q_pos).
+block), sliding window (window > 0; the caller also sets causal: q_pos - window < j <= q_pos),
+symmetric window (symmetric != 0, window > 0, causal 0: |q_pos - j| < window, the non-causal
+sliding layers of DFlash2 drafters; keys above q_pos exist when the queries are a block).
 
 GQA: the group = num_heads / num_kv_heads query heads of one KV head are processed together.
 A tile has BLOCK_M rows; row m is (query i = m // group, head kv_head * group + m % group), so
@@ -34,9 +36,10 @@ Workspace (fp32) of a split launch: acc [num_splits, T, num_heads, HEAD_DIM], th
 ml [num_splits, T, num_heads, 2] (m in log2 units of the scaled scores, l).
 
 Inside a kernel the key range of a tile is cut in three: keys that some row of the tile masks
-(the first window tile, the causal diagonal, the ragged end) run through the masked loop, the rest
-through a loop without masks. Softmax is online in fp32 with exp2 and the scale folded into
-log2(e); rows that see no key (only possible for inconsistent metadata) write zeros.
+(the first window tile, the causal diagonal or the symmetric window's upper edge, the ragged
+end) run through the masked loop, the rest through a loop without masks. Softmax is online in
+fp32 with exp2 and the scale folded into log2(e); rows that see no key (only possible for
+inconsistent metadata) write zeros.
 
 Programmatic dependent launch: every kernel starts with gdc_wait (the kernel ahead in the stream
 has completed and its writes are visible; a no-op for a plain launch), then lets the next kernel
@@ -54,7 +57,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, start, end, kv_len, q_pos, causal,
-                  window, block_size, slot_stride, qk_scale, MASKED: tl.constexpr,
+                  window, symmetric, block_size, slot_stride, qk_scale, MASKED: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online softmax of q against keys [start, end) (start BLOCK_N-aligned).
 
@@ -81,6 +84,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, start, end, kv_len,
         if MASKED:
             visible = in_range[None, :] & ((j[None, :] <= q_pos[:, None]) | (causal == 0))
             visible = visible & ((j[None, :] > q_pos[:, None] - window) | (window <= 0))
+            visible = visible & ((j[None, :] < q_pos[:, None] + window) | (symmetric == 0))
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -98,7 +102,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, start, end, kv_len,
 
 @triton.jit
 def _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, c0, c1, full_lo, full_hi, kv_len,
-                 q_pos, causal, window, block_size, slot_stride, qk_scale,
+                 q_pos, causal, window, symmetric, block_size, slot_stride, qk_scale,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys [c0, c1): masked below full_lo, unmasked in [full_lo, full_hi), masked above.
 
@@ -107,28 +111,33 @@ def _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, c0, c1, full_lo, ful
     """
     a = tl.maximum(c0, tl.minimum(full_lo, c1))
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, c0, a, kv_len,
-                                  q_pos, causal, window, block_size, slot_stride, qk_scale,
-                                  True, HEAD_DIM, BLOCK_N)
+                                  q_pos, causal, window, symmetric, block_size, slot_stride,
+                                  qk_scale, True, HEAD_DIM, BLOCK_N)
     b = tl.minimum(full_hi, c1)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, a, b, kv_len,
-                                  q_pos, causal, window, block_size, slot_stride, qk_scale,
-                                  False, HEAD_DIM, BLOCK_N)
+                                  q_pos, causal, window, symmetric, block_size, slot_stride,
+                                  qk_scale, False, HEAD_DIM, BLOCK_N)
     b = tl.maximum(b, a)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, b, c1, kv_len,
-                                  q_pos, causal, window, block_size, slot_stride, qk_scale,
-                                  True, HEAD_DIM, BLOCK_N)
+                                  q_pos, causal, window, symmetric, block_size, slot_stride,
+                                  qk_scale, True, HEAD_DIM, BLOCK_N)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _key_ranges(kv_len, qp_first, qp_last, causal, window, BLOCK_N: tl.constexpr):
+def _key_ranges(kv_len, qp_first, qp_last, causal, window, symmetric, BLOCK_N: tl.constexpr):
     """Key range [lo, hi) that rows at positions [qp_first, qp_last] need (lo BLOCK_N-aligned),
-    and the aligned range [full_lo, full_hi) that all of them see (full_lo <= full_hi)."""
+    and the aligned range [full_lo, full_hi) that all of them see (full_lo <= full_hi).
+
+    A row at q_pos sees keys up to q_pos (causal), q_pos + window - 1 (symmetric window) or
+    kv_len - 1, and from q_pos - window + 1 with a window (causal or symmetric)."""
     hi = tl.where(causal != 0, tl.minimum(kv_len, qp_last + 1), kv_len)
+    hi = tl.where(symmetric != 0, tl.minimum(kv_len, qp_last + window), hi)
     hi = tl.maximum(hi, 0)
     first = tl.where(window > 0, tl.maximum(qp_first - window + 1, 0), 0)
     lo = tl.minimum(first // BLOCK_N * BLOCK_N, hi)
     all_hi = tl.where(causal != 0, tl.minimum(kv_len, qp_first + 1), kv_len)
+    all_hi = tl.where(symmetric != 0, tl.minimum(kv_len, qp_first + window), all_hi)
     full_hi = tl.maximum(all_hi, 0) // BLOCK_N * BLOCK_N
     all_lo = tl.where(window > 0, tl.maximum(qp_last - window + 1, 0), 0)
     full_lo = (all_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
@@ -143,6 +152,7 @@ def paged_attention_prefill_kernel(
         query_start_ptr, kv_len_ptr, block_table_ptr,  # int32
         scale,  # fp32
         num_seqs, num_heads, num_kv_heads, block_size, max_blocks_per_seq, causal, window,  # i32
+        symmetric,  # i32: != 0 (only with window > 0, causal 0): |q_pos - j| < window
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     gdc_wait()  # programmatic dependent launch: the kernel ahead has finished writing q and K/V
     gdc_launch_dependents()
@@ -182,7 +192,8 @@ def paged_attention_prefill_kernel(
 
     qp_first = kv_len - num_q + q0
     qp_last = kv_len - num_q + tl.minimum(q0 + q_per_tile, num_q) - 1
-    lo, hi, full_lo, full_hi = _key_ranges(kv_len, qp_first, qp_last, causal, window, BLOCK_N)
+    lo, hi, full_lo, full_hi = _key_ranges(kv_len, qp_first, qp_last, causal, window, symmetric,
+                                           BLOCK_N)
 
     slot_stride = num_kv_heads * HEAD_DIM
     k_ptr = k_pool_ptr + kv_head * HEAD_DIM
@@ -193,8 +204,8 @@ def paged_attention_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     qk_scale = scale * LOG2E
     acc, m_i, l_i = _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, lo, hi, full_lo,
-                                 full_hi, kv_len, q_pos, causal, window, block_size, slot_stride,
-                                 qk_scale, HEAD_DIM, BLOCK_N)
+                                 full_hi, kv_len, q_pos, causal, window, symmetric, block_size,
+                                 slot_stride, qk_scale, HEAD_DIM, BLOCK_N)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -209,6 +220,7 @@ def paged_attention_decode_kernel(
         query_start_ptr, kv_len_ptr, block_table_ptr,  # int32
         scale,  # fp32
         num_tokens, num_heads, num_kv_heads, block_size, max_blocks_per_seq, causal, window,  # i32
+        symmetric,  # i32: as in paged_attention_prefill_kernel
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     gdc_wait()
     gdc_launch_dependents()
@@ -235,7 +247,7 @@ def paged_attention_decode_kernel(
     q = tl.load(q_ptr + row_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
     lo, hi, full_lo, full_hi = _key_ranges(kv_len, kv_len - num_q, kv_len - 1, causal, window,
-                                           BLOCK_N)
+                                           symmetric, BLOCK_N)
     chunk = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
     c0 = tl.minimum(lo + split * chunk, hi)
     c1 = tl.minimum(c0 + chunk, hi)
@@ -249,8 +261,8 @@ def paged_attention_decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     qk_scale = scale * LOG2E
     acc, m_i, l_i = _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, c0, c1, full_lo,
-                                 full_hi, kv_len, q_pos, causal, window, block_size, slot_stride,
-                                 qk_scale, HEAD_DIM, BLOCK_N)
+                                 full_hi, kv_len, q_pos, causal, window, symmetric, block_size,
+                                 slot_stride, qk_scale, HEAD_DIM, BLOCK_N)
 
     if num_splits == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)

@@ -20,11 +20,11 @@ namespace g = gen;
 using PrefillLaunch = CUresult (*)(CUfunction, CUstream, unsigned, unsigned, unsigned,
                                    CUdeviceptr, CUdeviceptr, CUdeviceptr, CUdeviceptr,
                                    CUdeviceptr, CUdeviceptr, CUdeviceptr, float, int32_t, int32_t,
-                                   int32_t, int32_t, int32_t, int32_t, int32_t);
+                                   int32_t, int32_t, int32_t, int32_t, int32_t, int32_t);
 using DecodeLaunch = CUresult (*)(CUfunction, CUstream, unsigned, unsigned, unsigned, CUdeviceptr,
                                   CUdeviceptr, CUdeviceptr, CUdeviceptr, CUdeviceptr,
                                   CUdeviceptr, CUdeviceptr, CUdeviceptr, float, int32_t, int32_t,
-                                  int32_t, int32_t, int32_t, int32_t, int32_t);
+                                  int32_t, int32_t, int32_t, int32_t, int32_t, int32_t);
 using ReduceLaunch = CUresult (*)(CUfunction, CUstream, unsigned, unsigned, unsigned, CUdeviceptr,
                                   CUdeviceptr, int32_t, int32_t, int32_t);
 
@@ -118,6 +118,8 @@ int32_t choose_splits(const Modules& m, const PagedAttentionArgs& a, const char*
   }
   if (capacity < 2) return 1;
   int64_t span = std::max(a.max_kv_len, 0);
+  // A window (causal or symmetric: the queries sit at the last positions, so no key lies above
+  // kv_len) leaves at most window + num_q - 1 keys.
   if (a.window > 0) span = std::min<int64_t>(span, int64_t{a.window} + a.max_query_len);
   const int64_t ctas = int64_t{a.num_seqs} * a.num_kv_heads;
   const int64_t want = (int64_t{kCtasPerSm} * m.num_sms() + ctas - 1) / ctas;
@@ -280,14 +282,17 @@ CUresult paged_attention(const Modules& m, cudaStream_t stream, const PagedAtten
   if (paged_attention_plan(m, a, &plan) != nullptr) return CUDA_ERROR_INVALID_VALUE;
   if (plan.grid[0] == 0 || plan.grid[1] == 0 || plan.grid[2] == 0) return CUDA_SUCCESS;
   const float scale = a.scale != 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(a.head_dim));
-  const int32_t causal = (a.causal || a.window > 0) ? 1 : 0;
+  // A symmetric window replaces causality (the CPU backend's rule); any other window is causal.
+  const int32_t symmetric = (a.symmetric_window && a.window > 0) ? 1 : 0;
+  const int32_t causal = (symmetric == 0 && (a.causal || a.window > 0)) ? 1 : 0;
   const CUstream s = stream;
   if (plan.variant == PagedAttentionVariant::kPrefill) {
     const PrefillKernel k = prefill_kernel(a.head_dim);
     return k.launch(m.function(k.id), s, plan.grid[0], plan.grid[1], plan.grid[2], dptr(a.q),
                     dptr(a.k_pool), dptr(a.v_pool), dptr(a.out), dptr(a.query_start),
                     dptr(a.kv_len), dptr(a.block_table), scale, a.num_seqs, a.num_heads,
-                    a.num_kv_heads, a.block_size, a.max_blocks_per_seq, causal, a.window);
+                    a.num_kv_heads, a.block_size, a.max_blocks_per_seq, causal, a.window,
+                    symmetric);
   }
   const DecodeKernel k = decode_kernel(a.head_dim, plan.block_m);
   const CUdeviceptr workspace = plan.num_splits > 1 ? dptr(a.workspace) : 0;
@@ -295,7 +300,7 @@ CUresult paged_attention(const Modules& m, cudaStream_t stream, const PagedAtten
                         dptr(a.k_pool), dptr(a.v_pool), dptr(a.out), workspace,
                         dptr(a.query_start), dptr(a.kv_len), dptr(a.block_table), scale,
                         a.num_tokens, a.num_heads, a.num_kv_heads, a.block_size,
-                        a.max_blocks_per_seq, causal, a.window);
+                        a.max_blocks_per_seq, causal, a.window, symmetric);
   if (r != CUDA_SUCCESS || plan.num_splits == 1) return r;
   const ReduceKernel reduce = reduce_kernel(a.head_dim);
   return reduce.launch(m.function(reduce.id), s, static_cast<unsigned>(a.num_tokens),

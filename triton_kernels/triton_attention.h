@@ -44,6 +44,10 @@ struct PagedAttentionArgs {
   // block). window > 0: sliding window q_pos - window < j <= q_pos (implies causal).
   bool causal = true;
   int32_t window = 0;
+  // With window > 0 and causal false: a symmetric window instead, keys |q_pos - j| < window
+  // (DFlash2's non-causal sliding layers; the queries of a block see keys above their position).
+  // Takes precedence over causal, as on the CPU backend; no effect without a window.
+  bool symmetric_window = false;
   float scale = 0.0f;  // softmax scale; 0 means 1 / sqrt(head_dim)
   // Split-KV workspace (device, 16-byte aligned), at least paged_attention_workspace_bytes(...)
   // for the splits wanted; null or too small: no split.

@@ -26,7 +26,8 @@ struct AttentionMeta {
   bool causal = true;
   int64_t window = 0;  // > 0: causal, and a query at p sees keys p - window < j <= p (sliding)
   // With window > 0: a non-causal (symmetric) window instead, keys with |p - j| < window
-  // (DFlash2's sliding layers with is_causal false). CPU backend only so far.
+  // (DFlash2's sliding layers with is_causal false). Both backends (CUDA: the Triton and CUDA
+  // decode attention kernels).
   bool symmetric_window = false;
   Tensor query_start;  // [num_seqs + 1] int32
   Tensor kv_len;       // [num_seqs] int32

@@ -404,11 +404,13 @@ void cuda_cublaslt_gemm(const Any& x, const Any& w, const Any& out, std::optiona
 // The CUDA decode attention (cuda/decode_attention.cu) with the argument names of
 // triton_paged_attention; workspace (any dtype) and counters (int32 [>= num_seqs * nkv], zero)
 // enable split-KV. stream: launch there and return; None: default stream, synchronised.
+// symmetric_window: with window > 0, keys |q_pos - j| < window (causal ignored).
 // Returns the split count launched.
 int cuda_decode_attention(const Any& q, const Any& k_pool, const Any& v_pool, const Any& out, const I32& query_start,
                           const I32& kv_len, const I32& block_table, bool causal, int32_t window,
                           int32_t max_query_len, int32_t max_kv_len, std::optional<Any> workspace,
-                          std::optional<I32> counters, int32_t force_splits, std::optional<uintptr_t> stream) {
+                          std::optional<I32> counters, int32_t force_splits, std::optional<uintptr_t> stream,
+                          bool symmetric_window) {
   DFLASH_ARG_CHECK(q.ndim() == 3 && out.ndim() == 3 && k_pool.ndim() == 4 && v_pool.ndim() == 4 &&
                        block_table.ndim() == 2 && query_start.size() == kv_len.size() + 1 &&
                        block_table.shape(0) == kv_len.size(),
@@ -434,6 +436,7 @@ int cuda_decode_attention(const Any& q, const Any& k_pool, const Any& v_pool, co
   a.max_kv_len = max_kv_len;
   a.causal = causal;
   a.window = window;
+  a.symmetric_window = symmetric_window;
   if (workspace) {
     a.workspace = workspace->data();
     a.workspace_bytes = workspace->nbytes();
@@ -471,7 +474,8 @@ void bind_cuda_testing(nb::module_& m) {
   m.def("cuda_kv_write", &cuda_kv_write, "k"_a, "v"_a, "slots"_a, "k_pool"_a, "v_pool"_a);
   m.def("cuda_decode_attention", &cuda_decode_attention, "q"_a, "k_pool"_a, "v_pool"_a, "out"_a, "query_start"_a,
         "kv_len"_a, "block_table"_a, "causal"_a, "window"_a, "max_query_len"_a, "max_kv_len"_a,
-        "workspace"_a = nb::none(), "counters"_a = nb::none(), "force_splits"_a = 0, "stream"_a = nb::none());
+        "workspace"_a = nb::none(), "counters"_a = nb::none(), "force_splits"_a = 0, "stream"_a = nb::none(),
+        "symmetric_window"_a = false);
   m.def("cuda_decode_attention_workspace_bytes",
         [](int64_t num_tokens, int64_t num_heads, int64_t head_dim, int splits) {
           return cuda::decode_attention_workspace_bytes(num_tokens, num_heads, head_dim, splits);

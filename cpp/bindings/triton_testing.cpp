@@ -59,7 +59,7 @@ nb::tuple triton_paged_attention(const CudaArray& q, const CudaArray& k_pool,
                                  const CudaI32& block_table, bool causal, int32_t window,
                                  int32_t max_query_len, int32_t max_kv_len,
                                  std::optional<CudaArray> workspace, int32_t force_variant,
-                                 int32_t force_splits, uintptr_t stream) {
+                                 int32_t force_splits, uintptr_t stream, bool symmetric_window) {
   DFLASH_ARG_CHECK(q.ndim() == 3 && out.ndim() == 3 && k_pool.ndim() == 4 && v_pool.ndim() == 4,
                    "q/out [T, num_heads, head_dim], pools [num_blocks, block_size, "
                    "num_kv_heads, head_dim]");
@@ -102,6 +102,7 @@ nb::tuple triton_paged_attention(const CudaArray& q, const CudaArray& k_pool,
   a.max_kv_len = max_kv_len;
   a.causal = causal;
   a.window = window;
+  a.symmetric_window = symmetric_window;
   if (workspace.has_value()) {
     DFLASH_ARG_CHECK(workspace->device_id() == device, "workspace must be on q's device");
     a.workspace = workspace->data();
@@ -133,10 +134,12 @@ void bind_triton_testing(nb::module_& testing) {
               "out"_a, "query_start"_a, "kv_len"_a, "block_table"_a, "causal"_a, "window"_a,
               "max_query_len"_a, "max_kv_len"_a, "workspace"_a = nb::none(),
               "force_variant"_a = 0, "force_splits"_a = 0, "stream"_a = 0,
+              "symmetric_window"_a = false,
               "AOT Triton paged attention over torch CUDA tensors (bf16 q/pools/out, int32 "
               "metadata); writes out, synchronises `stream` (an int handle, default the legacy "
               "stream) and returns (variant, num_splits, block_m). force_variant: 0 auto, "
-              "1 prefill, 2 decode; force_splits: 0 auto.");
+              "1 prefill, 2 decode; force_splits: 0 auto; symmetric_window: with window > 0, "
+              "keys |q_pos - j| < window (causal ignored).");
   testing.def(
       "triton_paged_attention_workspace_bytes",
       [](int32_t max_tokens, int32_t num_heads, int32_t head_dim, int32_t max_splits) {

@@ -80,13 +80,6 @@ DFlashDrafter::DFlashDrafter(const DraftConfig& config, const std::string& draft
   draft_config_check_target(config_, target.config(), target_dir);
   Checkpoint ckpt(draft_dir);
   check_tensor_set(ckpt, config_, target.config());
-  for (int64_t l = 0; l < config_.geometry.num_layers; ++l) {
-    DFLASH_CHECK(backend.kind() == DeviceKind::kCPU || config_.layer_causal[l] || config_.sliding_window[l] == 0,
-                 config_.path, ": layer ", l,
-                 " is a non-causal sliding window ('is_causal': false with 'sliding_attention', a symmetric "
-                 "window |query - key| < ", config_.sliding_window[l],
-                 "), which dflash's CUDA attention kernels do not support yet (the CPU backend does)");
-  }
   const int64_t h = geometry_.hidden;
   const int64_t fc_in = static_cast<int64_t>(config_.target_layer_ids.size()) * target.config().hidden_size;
   const StoredTensor& fc = ckpt.get("fc.weight");

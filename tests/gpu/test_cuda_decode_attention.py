@@ -6,7 +6,8 @@
 # are NaN, same masks, same tolerances): one query per sequence (AR decode) and as many as fit in
 # 16 rows per KV head; GQA 32/8, 4/4, 9/3; head_dim 64 and 128; one split, the automatic split
 # count and forced ones (the last CTA combines the partials, its counters return to zero), long
-# contexts, replay inside a CUDA graph, determinism, and the arguments it refuses.
+# contexts, symmetric windows (|q_pos - j| < window), replay inside a CUDA graph, determinism,
+# and the arguments it refuses.
 from __future__ import annotations
 
 import pytest
@@ -27,7 +28,7 @@ def rows_fit(nh, nkv, kind, kv_len):
     return 1 if kind == "decode" else max(1, min(16 // (nh // nkv), kv_len))
 
 
-def run(b, causal, window, *, splits="none", force_splits=0, counters=None):
+def run(b, causal, window, *, splits="none", force_splits=0, counters=None, symmetric=False):
     """Runs the kernel on batch b; splits: "none" (no workspace), or "auto"/"forced" with one."""
     import torch
 
@@ -42,7 +43,7 @@ def run(b, causal, window, *, splits="none", force_splits=0, counters=None):
             counters = torch.zeros(len(b.kv_lens) * b.nkv, dtype=torch.int32, device="cuda")
     launched = t.cuda_decode_attention(b.q_dev, b.k_pool, b.v_pool, out, b.query_start, b.kv_len, b.table, causal,
                                        window, max(b.q_lens), max(b.kv_lens), workspace=ws, counters=counters,
-                                       force_splits=force_splits)
+                                       force_splits=force_splits, symmetric_window=symmetric)
     if counters is not None:
         assert int(counters.abs().sum()) == 0, "the split counters must return to zero"
     return out.float().cpu(), launched
@@ -79,6 +80,31 @@ def test_long_context(nh, nkv, hd, mode):
     out, splits = run(b, causal, window, splits="auto")
     assert splits > 1 or window > 0  # a 64-key window needs one split
     assert_matches(out, ref, f"long context, {splits} splits")
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 2048])
+@pytest.mark.parametrize("nh,nkv,hd", HEADS)
+def test_symmetric_window(nh, nkv, hd, window):
+    """A block of queries at the end of each sequence sees the keys |q_pos - j| < window, those
+    above its position included."""
+    import torch
+
+    kv_lens = [1, 4, 5, 17, 64, 65, 129, 1000, 4999]
+    b = Batch(kv_lens, [rows_fit(nh, nkv, "multi", n) for n in kv_lens], nh, nkv, hd, seed=window + nh + hd)
+    ref = b.reference(False, window, symmetric=True)
+    out, splits = run(b, False, window, symmetric=True)
+    assert splits == 1
+    assert_matches(out, ref, f"symmetric w{window}, one split")
+    out, splits = run(b, False, window, splits="auto", symmetric=True)
+    assert_matches(out, ref, f"symmetric w{window}, auto ({splits} splits)")
+    for forced in (3, 32):
+        out, splits = run(b, False, window, splits="forced", force_splits=forced, symmetric=True)
+        assert splits == forced
+        assert_matches(out, ref, f"symmetric w{window}, {forced} splits")
+    out, _ = run(b, True, window, symmetric=True)  # takes precedence over causal
+    assert_matches(out, ref, f"symmetric w{window} with causal set")
+    if window > 1 and max(b.q_lens) > 1:
+        assert not torch.allclose(ref, b.reference(True, window), atol=0.1)
 
 
 def test_deterministic_and_graph_replay():

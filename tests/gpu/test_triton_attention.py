@@ -3,9 +3,10 @@
 # The AOT Triton paged attention (triton_kernels/paged_attention.py through
 # dflash._core.testing.triton_paged_attention) against a torch reference: fp32 math on the same
 # bf16 inputs. Covers decode (1 query), verify / draft blocks (16 queries), full and chunked
-# prefill; causal, non-causal (the drafter's block) and sliding window; GQA 32/8, 4/4 and 9/3
-# (SmolLM2); head_dim 64 and 128; batches of 1, 3 and 17 ragged sequences; scattered block
-# tables; the split-KV path on long contexts. Unused pool slots and unused block-table entries
+# prefill; causal, non-causal (the drafter's block), sliding window and symmetric window
+# (|q_pos - j| < window: DFlash2's non-causal sliding layers); GQA 32/8, 4/4 and 9/3 (SmolLM2);
+# head_dim 64 and 128; batches of 1, 3 and 17 ragged sequences; scattered block tables; the
+# split-KV path on long contexts. Unused pool slots and unused block-table entries
 # point at NaN, so a read outside a sequence's keys shows up as NaN in the output.
 #
 # Tolerance: |out - ref| <= 2e-2 + 2e-2 |ref| element-wise, and a relative RMS error below 1e-2
@@ -110,7 +111,7 @@ class Batch:
         self.kv_len = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
 
     def run(self, causal, window, *, workspace=None, force_variant=0, force_splits=0,
-            max_query_len=None):
+            max_query_len=None, symmetric=False):
         import torch
 
         out = torch.full_like(self.q_dev, float("nan"))
@@ -119,10 +120,10 @@ class Batch:
             causal, window,
             max(self.q_lens) if max_query_len is None else max_query_len, max(self.kv_lens),
             workspace=workspace, force_variant=force_variant, force_splits=force_splits,
-            stream=torch.cuda.current_stream().cuda_stream)
+            stream=torch.cuda.current_stream().cuda_stream, symmetric_window=symmetric)
         return out.float().cpu(), plan
 
-    def reference(self, causal, window):
+    def reference(self, causal, window, symmetric=False):
         import torch
 
         group = self.nh // self.nkv
@@ -137,10 +138,13 @@ class Batch:
             q_pos = torch.arange(n - nq, n, device="cuda")[:, None]
             j = torch.arange(n, device="cuda")[None, :]
             visible = torch.ones(nq, n, dtype=torch.bool, device="cuda")
-            if causal or window > 0:
-                visible &= j <= q_pos
-            if window > 0:
-                visible &= j > q_pos - window
+            if symmetric and window > 0:  # replaces causality
+                visible &= (j > q_pos - window) & (j < q_pos + window)
+            else:
+                if causal or window > 0:
+                    visible &= j <= q_pos
+                if window > 0:
+                    visible &= j > q_pos - window
             scores = scores.masked_fill(~visible, float("-inf"))
             out[self.starts[s]:self.starts[s + 1]] = torch.einsum(
                 "hqk,khd->qhd", scores.softmax(-1), v).cpu()
@@ -232,6 +236,67 @@ def test_sequences_without_queries():
             for force_variant in (0, 1):
                 out, _ = b.run(causal, window, force_variant=force_variant)
                 assert_matches(out, b.reference(causal, window), f"q_lens {q_lens}")
+
+
+# Symmetric windows as the DFlash2 drafter uses them: a block of 8 or 16 queries at the end of
+# each sequence (so keys above a query's position exist), windows below, at and above the block
+# size; one sequence without queries.
+SYM_KV = [16, 1, 8, 17, 40, 64, 65, 129, 1000, 2100, 300, 4999]
+SYM_Q = {8: [8, 1, 8, 8, 8, 8, 8, 8, 8, 8, 0, 8], 16: [16, 1, 8, 16, 16, 16, 16, 16, 16, 16, 0, 16]}
+
+
+@pytest.mark.parametrize("window", [1, 4, 13, 16, 2048])
+@pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (32, 8, 64), (9, 3, 64)])
+def test_symmetric_window_drafter_block(nh, nkv, hd, block, window):
+    import torch
+
+    b = Batch(SYM_KV, SYM_Q[block], nh, nkv, hd, seed=window * 7 + block + hd)
+    ref = b.reference(False, window, symmetric=True)
+    out, (variant, splits, _) = b.run(False, window, symmetric=True)
+    assert (variant, splits) == ("decode", 1)
+    assert_matches(out, ref, f"symmetric w{window} auto ({variant})")
+    out, plan = b.run(False, window, symmetric=True, force_variant=1)
+    assert plan[0] == "prefill"
+    assert_matches(out, ref, f"symmetric w{window} forced prefill")
+    out, plan = b.run(False, window, symmetric=True, workspace=b.workspace(3), force_variant=2,
+                      force_splits=3)
+    assert plan[:2] == ("decode", 3)
+    assert_matches(out, ref, f"symmetric w{window} decode split 3")
+    max_splits = _testing().triton_paged_attention_max_splits()
+    out, (_, splits, _) = b.run(False, window, symmetric=True, workspace=b.workspace(max_splits))
+    if window >= 2048:
+        assert splits > 1, "a 2048-key window over 5k-key contexts should use split-KV"
+    assert_matches(out, ref, f"symmetric w{window} split-KV ({splits} splits)")
+    # causal=True with symmetric_window: the symmetric window takes precedence (the CPU rule).
+    out, _ = b.run(True, window, symmetric=True)
+    assert_matches(out, ref, f"symmetric w{window} with causal set")
+
+    causal_ref = b.reference(True, window)
+    if window == 1:  # each query sees only itself either way
+        assert torch.equal(ref, causal_ref)
+    else:  # the block's queries also see the keys above them
+        assert not torch.allclose(ref, causal_ref, atol=0.1)
+        out, _ = b.run(False, window)  # the same launch without symmetric_window: causal window
+        assert_matches(out, causal_ref, f"causal w{window}")
+        assert not torch.allclose(out, ref, atol=0.1)
+
+
+@pytest.mark.parametrize("kind", ["chunked", "prefill"])
+@pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (9, 3, 64)])
+def test_symmetric_window_many_queries(nh, nkv, hd, kind):
+    """Queries spread over the sequence: the window's upper edge lies far inside the keys."""
+    kv_lens = [1, 129, 1000, 300]
+    q_lens = [num_queries(kind, n) for n in kv_lens]
+    b = Batch(kv_lens, q_lens, nh, nkv, hd, seed=len(kind) + hd)
+    for window in (5, 64, 300):
+        ref = b.reference(False, window, symmetric=True)
+        out, (variant, _, _) = b.run(False, window, symmetric=True)
+        assert variant == "prefill"
+        assert_matches(out, ref, f"{kind} symmetric w{window}")
+    # symmetric_window without a window: plain non-causal attention
+    out, _ = b.run(False, 0, symmetric=True)
+    assert_matches(out, b.reference(False, 0), f"{kind} symmetric_window, window 0")
 
 
 def test_rejects_unsupported_arguments():

@@ -51,6 +51,7 @@ cuda::DecodeAttentionArgs as_decode_args(const triton_aot::PagedAttentionArgs& a
   d.max_kv_len = a.max_kv_len;
   d.causal = a.causal;
   d.window = a.window;
+  d.symmetric_window = a.symmetric_window;
   d.scale = a.scale;
   d.workspace = a.workspace;
   d.workspace_bytes = a.workspace_bytes;
@@ -335,7 +336,6 @@ void CudaBackend::kv_write(KVPool& pool, int64_t layer, const Tensor& k, const T
 
 void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t layer, const AttentionMeta& meta,
                                   Tensor& out) {
-  DFLASH_CHECK(!meta.symmetric_window, "the CUDA attention kernels have no symmetric (non-causal) sliding window");
   const int64_t row = pool.num_kv_heads * pool.head_dim;
   const int64_t layer_elems = pool.num_blocks * pool.block_size * row;
   triton_aot::PagedAttentionArgs a{};
@@ -357,6 +357,7 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
   a.max_kv_len = meta.max_kv_len;
   a.causal = meta.causal;
   a.window = static_cast<int32_t>(meta.window);
+  a.symmetric_window = meta.symmetric_window;
   a.scale = 1.0f / std::sqrt(static_cast<float>(pool.head_dim));
   // Split-KV: one persistent workspace, reused by every call (the calls run in order on one
   // stream); the split count follows max_kv_len and what fits in it.
