@@ -1,5 +1,6 @@
-// Per-row sampling machinery shared by sample (sampling.cu) and accept_drafts (accept.cu): one
-// block of kThreads threads works on one row of fp32 logits [V] in a few passes over it.
+// Per-row sampling machinery shared by sample (sampling.cu), accept_drafts (accept.cu),
+// accept_candidates (accept_candidates.cu) and sample_drafts (sample_drafts.cu): one block of
+// kThreads threads works on one row of fp32 logits [V] in a few passes over it.
 //   1. max pass: the row's max logit, and the first token of the CPU order other than an
 //      excluded one (the draft being judged).
 //   2. the kept set of top-k, then top-p on the top-k renormalised distribution, in the CPU's
@@ -123,8 +124,11 @@ __device__ __forceinline__ unsigned long long mass_weight(const Row& r, float lo
   return __float2ull_rn(expf((logit - r.lmax) * r.inv_t) * kMassScale);
 }
 
-__device__ __forceinline__ float gumbel_noise(uint64_t seed, uint64_t position, int id) {
-  const float u = philox_uniform(seed, position, static_cast<uint32_t>(id), kStreamTargetSample);
+// -log(-log(u)), u = philox_uniform(seed, position, id, stream) (the target-sampling stream unless
+// asked otherwise: sample_drafts draws on kStreamDraftSample).
+__device__ __forceinline__ float gumbel_noise(uint64_t seed, uint64_t position, int id,
+                                             uint32_t stream = kStreamTargetSample) {
+  const float u = philox_uniform(seed, position, static_cast<uint32_t>(id), stream);
   return -logf(-logf(u));
 }
 
@@ -604,10 +608,11 @@ __device__ inline Kept select_kept(const Row& r, int top_k, float top_p, SampleS
 }
 
 // Gumbel-max over the kept set without `excluded` (-1: none); with_p: also p(excluded).
-// (lmax_other, id_other): the first token of the CPU order other than `excluded`.
+// (lmax_other, id_other): the first token of the CPU order other than `excluded`. The noise is
+// drawn on `stream` (the target-sampling stream but for sample_drafts).
 __device__ inline Draw gumbel_draw(const Row& r, const Kept& kept, int excluded, float lmax_other,
                                    int id_other, uint64_t seed, uint64_t position, bool with_p,
-                                   SampleSmem& s) {
+                                   SampleSmem& s, uint32_t stream = kStreamTargetSample) {
   float bv = -INFINITY, sum = 0.0f, e_excluded = 0.0f;
   int bi = kNoToken;
   auto visit = [&](int i, float l, bool maybe_best) {
@@ -618,7 +623,7 @@ __device__ inline Draw gumbel_draw(const Row& r, const Kept& kept, int excluded,
       if (i == excluded) e_excluded = e;
     }
     if (i != excluded && maybe_best) {
-      const float score = z + gumbel_noise(seed, position, i);
+      const float score = z + gumbel_noise(seed, position, i, stream);
       if (better(score, i, bv, bi)) bv = score, bi = i;
     }
   };
@@ -633,7 +638,7 @@ __device__ inline Draw gumbel_draw(const Row& r, const Kept& kept, int excluded,
     // best score seen so far: only tokens with z >= that - kGumbelMax need their noise.
     float s_ref = -INFINITY;
     if (id_other != kNoToken) {
-      s_ref = (lmax_other - r.lmax) * r.inv_t + gumbel_noise(seed, position, id_other);
+      s_ref = (lmax_other - r.lmax) * r.inv_t + gumbel_noise(seed, position, id_other, stream);
       if (!(s_ref < INFINITY)) s_ref = -INFINITY;  // u == 1: no pruning
     }
     for_each_logit(r.logits, r.vocab, [&](int i, float l, bool ok) {

@@ -1,6 +1,6 @@
 // Test-only bindings of the CUDA kernels of cuda/kernels.h, added to dflash._core.testing as
 // cuda_<op>. They take torch CUDA tensors (contiguous; outputs are passed in, nothing is
-// allocated here except the SampleParams array of sample / accept_drafts and the cuBLASLt
+// allocated here except the SampleParams array of the sampling / acceptance ops and the cuBLASLt
 // workspace of cublaslt_gemm), launch on the default stream, synchronise, and turn a CUDA error
 // into dflash::Error. The GEMMs (skinny_gemm, cublaslt_gemm) may instead launch on a given
 // stream without synchronising, for benchmarks and CUDA-graph capture.
@@ -311,6 +311,51 @@ void cuda_accept_drafts(const I32& drafts, const F32& logits, const std::vector<
                              nullptr));
 }
 
+// drafts [R, n], cand_ids [R, n, K] (None: dense proposals, K == V), realized [R, n, K],
+// logits [R, n + 1, V], num_accepted [R], next_token [R].
+void cuda_accept_candidates(const I32& drafts, const std::optional<I32>& cand_ids, const F32& realized,
+                            const F32& logits, const std::vector<float>& temperature,
+                            const std::vector<int32_t>& top_k, const std::vector<float>& top_p,
+                            const std::vector<uint64_t>& seed, const std::vector<int64_t>& position,
+                            const I32& num_accepted, const I32& next_token) {
+  DFLASH_ARG_CHECK(drafts.ndim() == 2 && logits.ndim() == 3 && realized.ndim() == 3 &&
+                       logits.shape(0) == drafts.shape(0) && logits.shape(1) == drafts.shape(1) + 1 &&
+                       realized.shape(0) == drafts.shape(0) && realized.shape(1) == drafts.shape(1) &&
+                       num_accepted.size() == drafts.shape(0) && next_token.size() == drafts.shape(0),
+                   "accept_candidates: drafts [R, n], realized [R, n, K], logits [R, n + 1, V], "
+                   "num_accepted, next_token [R]");
+  const size_t k = realized.shape(2);
+  if (cand_ids) {
+    DFLASH_ARG_CHECK(cand_ids->ndim() == 3 && cand_ids->shape(0) == drafts.shape(0) &&
+                         cand_ids->shape(1) == drafts.shape(1) && cand_ids->shape(2) == k,
+                     "accept_candidates: cand_ids [R, n, K] like realized");
+  } else {
+    DFLASH_ARG_CHECK(k == logits.shape(2), "accept_candidates: dense proposals need realized [R, n, V]");
+  }
+  use_device(logits.device_id());
+  DeviceParams params(temperature, top_k, top_p, seed, position, drafts.shape(0));
+  finish("accept_candidates",
+         cuda::accept_candidates(drafts.data(), cand_ids ? cand_ids->data() : nullptr, realized.data(),
+                                 static_cast<int64_t>(k),
+                                 logits.data(), drafts.shape(0), drafts.shape(1), logits.shape(2),
+                                 params.get(), num_accepted.data(), next_token.data(), nullptr));
+}
+
+// logits [rows, V], n drafts per request (params per request: rows / n entries), drafts [rows].
+void cuda_sample_drafts(const F32& logits, int64_t n, const std::vector<float>& temperature,
+                        const std::vector<uint64_t>& seed, const std::vector<int64_t>& position,
+                        const I32& drafts) {
+  const int64_t rows = static_cast<int64_t>(logits.shape(0));
+  DFLASH_ARG_CHECK(logits.ndim() == 2 && n > 0 && rows % n == 0 && drafts.size() == logits.shape(0),
+                   "sample_drafts: logits [R * n, V], drafts [R * n], n > 0");
+  const size_t requests = static_cast<size_t>(rows / n);
+  use_device(logits.device_id());
+  DeviceParams params(temperature, std::vector<int32_t>(requests, 0), std::vector<float>(requests, 1.0f), seed,
+                      position, requests);
+  finish("sample_drafts", cuda::sample_drafts(logits.data(), rows, n, logits.shape(1), params.get(), drafts.data(),
+                                              nullptr));
+}
+
 // x [M, K] bf16, w [N, K] bf16, out [M, N] bf16 or fp32. Returns out_f32.
 bool check_gemm(const Any& x, const Any& w, const Any& out, const char* op) {
   DFLASH_ARG_CHECK(x.ndim() == 2 && w.ndim() == 2 && out.ndim() == 2 && x.shape(1) == w.shape(1) &&
@@ -505,4 +550,9 @@ void bind_cuda_testing(nb::module_& m) {
         "gamma"_a.none() = nb::none(), "eps"_a = 1e-6f, "add"_a = false);
   m.def("cuda_accept_drafts", &cuda_accept_drafts, "drafts"_a, "logits"_a, "temperature"_a,
         "top_k"_a, "top_p"_a, "seed"_a, "position"_a, "num_accepted"_a, "next_token"_a);
+  m.def("cuda_accept_candidates", &cuda_accept_candidates, "drafts"_a, "cand_ids"_a.none(), "realized"_a,
+        "logits"_a, "temperature"_a, "top_k"_a, "top_p"_a, "seed"_a, "position"_a, "num_accepted"_a,
+        "next_token"_a);
+  m.def("cuda_sample_drafts", &cuda_sample_drafts, "logits"_a, "n"_a, "temperature"_a, "seed"_a, "position"_a,
+        "drafts"_a);
 }
