@@ -501,6 +501,28 @@ int cuda_decode_attention(const Any& q, const Any& k_pool, const Any& v_pool, co
   return splits;
 }
 
+// The exact top-K of cuda/topk_candidates.cu: logits [R, V] fp32 (a contiguous view may start at
+// any element), ids [R, k] int32, unary [R, k] fp32; workspace (any dtype) of at least
+// cuda_topk_workspace_bytes(R, V, k) bytes, counters int32 [R] (zero; left zero). None passes a
+// null pointer (refused where one is needed). stream: launch there and return; None: default
+// stream, synchronised.
+void cuda_topk_candidates(const F32& logits, int64_t k, float multiplier, float softcap, const I32& ids,
+                          const F32& unary, std::optional<Any> workspace, std::optional<I32> counters,
+                          std::optional<uintptr_t> stream) {
+  DFLASH_ARG_CHECK(logits.ndim() == 2 && ids.ndim() == 2 && unary.ndim() == 2 && ids.shape(0) == logits.shape(0) &&
+                       unary.shape(0) == logits.shape(0) && static_cast<int64_t>(ids.shape(1)) == k &&
+                       static_cast<int64_t>(unary.shape(1)) == k &&
+                       (!counters || counters->size() >= logits.shape(0)),
+                   "topk_candidates: logits [R, V], ids and unary [R, k], counters [R]");
+  use_device(logits.device_id());
+  launched("topk_candidates",
+           cuda::topk_candidates(logits.data(), logits.shape(0), logits.shape(1), k, multiplier, softcap, ids.data(),
+                                 unary.data(), workspace ? workspace->data() : nullptr,
+                                 workspace ? workspace->nbytes() : 0, counters ? counters->data() : nullptr,
+                                 stream ? reinterpret_cast<cudaStream_t>(*stream) : nullptr),
+           stream);
+}
+
 }  // namespace
 }  // namespace dflash
 
@@ -555,4 +577,7 @@ void bind_cuda_testing(nb::module_& m) {
         "next_token"_a);
   m.def("cuda_sample_drafts", &cuda_sample_drafts, "logits"_a, "n"_a, "temperature"_a, "seed"_a, "position"_a,
         "drafts"_a);
+  m.def("cuda_topk_candidates", &cuda_topk_candidates, "logits"_a, "k"_a, "multiplier"_a, "softcap"_a, "ids"_a,
+        "unary"_a, "workspace"_a.none(), "counters"_a.none(), "stream"_a.none() = nb::none());
+  m.def("cuda_topk_workspace_bytes", &cuda::topk_workspace_bytes, "rows"_a, "vocab"_a, "k"_a);
 }
