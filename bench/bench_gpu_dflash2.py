@@ -225,6 +225,17 @@ def torch_walk(edges, ids):
     return torch.stack(drafts, dim=1)
 
 
+def packed_params(reqs: int, temperature: float = 0.0):
+    """SampleParamsPacked (backend.h) of `reqs` requests as bytes: temperature, top_k, top_p, seed
+    lo/hi, padding, position (the first draft's)."""
+    import numpy as np
+
+    rec = np.zeros(reqs, dtype=[("temperature", "<f4"), ("top_k", "<i4"), ("top_p", "<f4"), ("seed_lo", "<u4"),
+                                ("seed_hi", "<u4"), ("pad", "<u4"), ("position", "<i8")])
+    rec["temperature"], rec["top_p"], rec["seed_lo"], rec["position"] = temperature, 1.0, np.arange(reqs), 100
+    return rec.view(np.uint8).copy()
+
+
 def bench_walk(K, reqs: int, slots: int = 7, k: int = 16) -> dict[str, Any]:
     import torch
 
@@ -233,9 +244,8 @@ def bench_walk(K, reqs: int, slots: int = 7, k: int = 16) -> dict[str, Any]:
     ids = torch.randint(0, 151936, (reqs, slots, k), device="cuda", generator=g, dtype=torch.int32)
     drafts = torch.empty(reqs, slots, device="cuda", dtype=torch.int32)
     realized = torch.empty(reqs, slots, k, device="cuda")
-    temps, seeds, positions = [0.0] * reqs, list(range(reqs)), [100] * reqs
-    ours = graph_time([lambda: K.triton_lattice_walk(edges, ids, temps, seeds, positions, drafts, realized,
-                                                       stream=stream())])
+    params = torch.from_numpy(packed_params(reqs)).cuda()
+    ours = graph_time([lambda: K.triton_lattice_walk(edges, ids, params, drafts, realized, stream=stream())])
     eager = eager_time(lambda: torch_walk(edges, ids))
     graphed = graph_time([lambda: torch_walk(edges, ids)])
     return {"reqs": reqs, "slots": slots, "k": k, "ours_graph_s": ours, "torch_eager_s": eager,

@@ -536,11 +536,11 @@ void CudaBackend::lattice_walk(const Tensor& edges, const Tensor& ids, const Ten
   DFLASH_CHECK(edges.numel() == b * slots * k * k && drafts.numel() == b * slots && realized.numel() == b * slots * k,
                "lattice_walk: edges ", shape_str(edges.shape), " ids ", shape_str(ids.shape));
   triton_aot::LatticeWalkArgs a;
-  a.edges = edges.data;
-  a.ids = ids.data;
+  a.edges = edges.ptr<float>();
+  a.ids = ids.ptr<int32_t>();
   a.params = params.data;
-  a.drafts = drafts.data;
-  a.realized = realized.data;
+  a.drafts = drafts.ptr<int32_t>();
+  a.realized = realized.ptr<float>();
   a.num_reqs = static_cast<int32_t>(b);
   a.slots = static_cast<int32_t>(slots);
   a.k = static_cast<int32_t>(k);
