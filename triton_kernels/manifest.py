@@ -118,3 +118,27 @@ KERNELS: tuple[KernelSpec, ...] = (
     _reduce(64),
     _reduce(128),
 )
+
+# DFlash2's lattice walk (lattice_walk.py): one program of one warp per request, K <= BLOCK_K
+# candidates per slot in registers; lattice_walk.cpp launches the smallest BLOCK_K >= K.
+_WALK_PARAMS = (
+    ("edges_ptr", _F32P), ("ids_ptr", _I32P), ("params_ptr", _I32P), ("drafts_ptr", _I32P),
+    ("realized_ptr", _F32P), ("num_slots", "i32"), ("k", "i32"),
+)
+WALK_BLOCK_KS = (4, 8, 16, 32, 64)
+
+
+def _walk(block_k: int) -> KernelSpec:
+    return KernelSpec(
+        name=f"lattice_walk_k{block_k}",
+        source="lattice_walk.py",
+        fn="lattice_walk_kernel",
+        params=_WALK_PARAMS,
+        constexprs={"BLOCK_K": block_k},
+        num_warps=1,
+        num_stages=1,
+        doc="K <= BLOCK_K candidates per slot; grid (num_reqs,)",
+    )
+
+
+KERNELS += tuple(_walk(block_k) for block_k in WALK_BLOCK_KS)
