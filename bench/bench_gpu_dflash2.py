@@ -412,7 +412,7 @@ def main(argv=None) -> None:
     from dflash._core import testing as K
 
     if "copy" in sections:
-        _COPY_BW["gbs"] = res["copy_bw_gbs"] = copy_bandwidth() / 1e9
+        _COPY_BW["gbs"] = res["copy_bw_gbs"] = copy_bandwidth()
         log(t0, f"copy bandwidth {res['copy_bw_gbs']:.0f} GB/s")
         save()
     if "kernels" in sections:

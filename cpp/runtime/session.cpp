@@ -19,14 +19,27 @@ int64_t host_memory_bytes() {
 
 // The CUDA per-step arena: activations of the largest step, the logits it can produce, taps
 // and metadata, with headroom.
-size_t scratch_bytes(const ModelConfig& c, const SessionConfig& s, int64_t num_taps, int64_t spec_tokens) {
+size_t scratch_bytes(const ModelConfig& c, const SessionConfig& s, int64_t num_taps, int64_t spec_tokens,
+                     const DraftConfig* draft) {
   const int64_t rows = std::max<int64_t>(s.max_num_batched_tokens, s.max_num_seqs * (spec_tokens + 1));
   const int64_t logit_rows = std::max<int64_t>(s.max_num_seqs * (spec_tokens + 1), 1);
   const int64_t width = c.hidden_size * (4 + num_taps) + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
                         2 * c.num_heads * c.head_dim + 3 * c.intermediate_size;
   const int64_t activations = rows * width * 2;
   const int64_t logits = logit_rows * c.vocab_size * 4 * 2;
-  return static_cast<size_t>(activations + logits + (64ll << 20));
+  int64_t selector = 0;
+  if (draft != nullptr && draft->arch == DraftArch::kDFlash2) {
+    // Per draft row: edges [K, K], candidates and unary [K], the gate [rank] (fp32), the top-K
+    // partials (<= one K list of (key, id) per 4096 vocabulary entries); per block row: the conv's
+    // input and deltas [2 T H / g] (bf16).
+    const DFlash2Config& d = draft->dflash2;
+    const int64_t draft_rows = s.max_num_seqs * spec_tokens, k = d.selector_top_k;
+    selector = draft_rows * (k * k * 4 + k * 12 + d.selector_rank * 4 + (c.vocab_size / 4096 + 2) * k * 8) +
+               s.max_num_seqs * (spec_tokens + 1) *
+                   (draft->geometry.hidden_size * 2 + 2 * d.conv_kernel_size * (draft->geometry.hidden_size /
+                                                                                  d.conv_group_size) * 2);
+  }
+  return static_cast<size_t>(activations + logits + selector + (64ll << 20));
 }
 
 double seconds_between(Clock::time_point a, Clock::time_point b) {
@@ -67,7 +80,8 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
                               : config.num_speculative_tokens > 0 ? config.num_speculative_tokens
                                                                   : draft_config.block_size - 1;
   backend_ = backend_create(config.device, threads,
-                            scratch_bytes(config_, config, static_cast<int64_t>(taps.size()), spec_tokens));
+                            scratch_bytes(config_, config, static_cast<int64_t>(taps.size()), spec_tokens,
+                                          config.draft_dir.empty() ? nullptr : &draft_config));
   if (backend_->kind() == DeviceKind::kCUDA) {
     auto check_head_dim = [](int64_t hd, const std::string& what) {
       DFLASH_ARG_CHECK(hd == 64 || hd == 128, "the CUDA backend supports head_dim 64 and 128; ", what,

@@ -210,15 +210,15 @@ def test_propose_details_on_gpu_match_cpu_and_are_consistent(tmp_path, tiny_mode
             top = np.sort(logits[s])[::-1][:k]
             chosen = logits[s][g["candidate_ids"][s]]
             np.testing.assert_allclose(np.sort(chosen)[::-1], top, rtol=0, atol=0)
-        # against the CPU backend (fp32): the same candidate sets where the logits are well separated
-        same = sum(set(g["candidate_ids"][s]) == set(c["candidate_ids"][s]) for s in range(n))
+        # against the CPU backend (fp32): the K best values agree within the bf16 tolerance of the
+        # logits (ids of near-ties may swap), and most candidates are the same tokens
         err = float(np.max(np.abs(np.asarray(g["draft_logits"]) - np.asarray(c["draft_logits"]))))
-        print(f"propose: {same}/{n} slots with the CPU's candidate set; max |logit diff| {err:.4f}")
-        assert same >= n // 2
-        for s in range(n):
-            if list(g["candidate_ids"][s]) == list(c["candidate_ids"][s]):
-                np.testing.assert_allclose(np.asarray(g["unary"]).reshape(n, k)[s],
-                                           np.asarray(c["unary"]).reshape(n, k)[s], atol=0.1, rtol=0.05)
+        gu, cu = np.asarray(g["unary"]).reshape(n, k), np.asarray(c["unary"]).reshape(n, k)
+        shared = np.mean([len(set(g["candidate_ids"][s]) & set(c["candidate_ids"][s])) / k for s in range(n)])
+        print(f"propose: max |logit(cuda) - logit(cpu)| {err:.4f}; max |unary diff| "
+              f"{float(np.max(np.abs(gu - cu))):.4f}; {shared * 100:.0f} % of candidates shared")
+        np.testing.assert_allclose(gu, cu, atol=2 * err + 1e-3, rtol=0)
+        assert shared >= 0.6
 
 
 N = 2000
@@ -235,7 +235,7 @@ def test_k_candidate_sampling_is_exact_on_gpu(tmp_path, tiny_model_dirs, top_p):
     d = _dflash2(tmp_path, target, block_size=4, selector_top_k=64, seed=5, init_std=0.02, output_multiplier=1e-3)
     spec = dflash.Session(target, draft=d, device="cuda")
     ar = dflash.Session(target, device="cuda")  # the distribution the GPU target defines
-    prompt, first, T = [17, 42, 99, 7, 250, 31], 120, 0.8
+    prompt, first, T = [17, 42, 99, 7, 250, 31], 120, 1.5  # a flat enough target: several tokens under top-p
     probs = _target_probs(ar, prompt, first, T, top_p)
     results = sampled_second_tokens(spec, prompt, first, temperature=T, top_p=top_p, num_seeds=N)
     second = np.array([r.token_ids[1] for r in results])
@@ -243,6 +243,7 @@ def test_k_candidate_sampling_is_exact_on_gpu(tmp_path, tiny_model_dirs, top_p):
     accepted = sum(r.metrics.num_accepted > 0 for r in results)
     print(f"GPU DFlash2 top_p={top_p}: chi2={chi2:.1f} dof={dof} first drafts accepted {accepted} / {N}")
     assert ok, (chi2, dof)
+    assert dof >= (3 if top_p == 1.0 else 1)  # a distribution, not one certain token
     assert accepted >= 10
     assert_no_leaks(spec)
 
@@ -257,7 +258,7 @@ def test_probabilistic_dflash_drafts_are_exact_on_gpu(tmp_path, tiny_model_dirs,
                               block_size=4, init_std=0.02)
     spec = dflash.Session(target, draft=d1, device="cuda", draft_sampling="probabilistic")
     ar = dflash.Session(target, device="cuda")
-    prompt, first, T = [17, 42, 99, 7, 250, 31], 120, 0.8
+    prompt, first, T = [17, 42, 99, 7, 250, 31], 120, 1.5  # a flat enough target: several tokens under top-p
     probs = _target_probs(ar, prompt, first, T, top_p)
     results = sampled_second_tokens(spec, prompt, first, temperature=T, top_p=top_p, num_seeds=N)
     second = np.array([r.token_ids[1] for r in results])
@@ -265,6 +266,7 @@ def test_probabilistic_dflash_drafts_are_exact_on_gpu(tmp_path, tiny_model_dirs,
     accepted = sum(r.metrics.num_accepted > 0 for r in results)
     print(f"GPU probabilistic DFlash top_p={top_p}: chi2={chi2:.1f} dof={dof} accepted {accepted} / {N}")
     assert ok, (chi2, dof)
+    assert dof >= (3 if top_p == 1.0 else 1)  # a distribution, not one certain token
     assert accepted >= 10
     assert_no_leaks(spec)
 
@@ -295,7 +297,7 @@ def test_probabilistic_dflash_at_temperature_zero_is_greedy_on_gpu(tmp_path, tin
     floor = bf16_floor(preset, tiny_model_dirs, cpu)
     for p, g, w in zip(PROMPTS, _greedy(prob, PROMPTS), _greedy(ar, PROMPTS)):
         _check_greedy(cpu, p, g, w, "probabilistic dflash(cuda) at T=0 vs ar(cuda)", TOL_FACTOR * floor)
-    st = spec.stats()
+    st = prob.stats()
     assert st["num_free_blocks"] == st["num_blocks"]
 
 
