@@ -140,6 +140,7 @@ def test_generated_code_compiles(generated):
            f"-I{REPO}", f"-I{REPO / 'cpp'}", f"-I{generated}", f"-I{cuda_home / 'include'}"]
     for source in (generated / "triton_kernels_gen.cpp",
                    REPO / "triton_kernels" / "triton_attention.cpp",
+                   REPO / "triton_kernels" / "lattice_walk.cpp",
                    REPO / "cpp" / "cuda_driver" / "driver_api.cpp"):
         result = subprocess.run(cmd + [str(source)], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"{source.name}:\n{result.stderr}"
