@@ -18,7 +18,7 @@
 namespace dflash {
 
 struct SessionConfig {
-  std::string device = "cpu";          // "cpu" (the CUDA backend comes in a later issue)
+  std::string device = "cpu";          // "cpu" or "cuda"
   int64_t max_model_len = 0;           // 0: the model's max_position_embeddings
   int64_t kv_cache_tokens = 0;         // 0: a default from max_model_len and host memory
   int64_t block_size = 16;
@@ -32,7 +32,7 @@ struct SessionConfig {
   bool cuda_graphs = true;             // CUDA: replay decode steps from captured graphs
   bool async_decode = false;           // pipelined target-only decoding (EngineOptions::async_decode)
   // DFlash (v1) drafts: "greedy" (argmax, one-hot proposals) or "probabilistic" (sampled from the
-  // drafter's distribution at T > 0 and verified against it; CPU backend only for now).
+  // drafter's distribution at T > 0 and verified against it).
   std::string draft_sampling = "greedy";
   // Pad decode steps to the graph batch sizes: always on CUDA; settable on the CPU so that the
   // padding rows' path (reserved KV blocks) is tested there too (test hook, not public API).
