@@ -144,9 +144,6 @@ void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
   Tensor params = in_.params.rows(0, b * kSampleParamWords);
   params.dtype = DType::kU8;
   params.shape = {b * static_cast<int64_t>(sizeof(SampleParamsPacked))};
-  auto mark = [&](int p) {
-    if (phase) phase(p);
-  };
 
   if (n == 0) {
     if (config_.feed) {  // pipelined steps: anchors from the previous step's tokens (before they are overwritten)
@@ -160,42 +157,7 @@ void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
     last_logits_ = fwd.logits;
     return;
   }
-
-  // Draft: [anchor, MASK x n] per request over context + block, through the drafting seam.
-  d.meta.causal = false;
-  d.logit_rows = in_.logit_rows.rows(0, b * n);
-  const int64_t k = drafter_->proposal_width();
-  const ProposalKind kind = drafter_->proposal_kind();
-  DraftOutputs proposal;
-  proposal.drafts = proposed_.rows(0, b * n).reshape({b, n});
-  if (kind != ProposalKind::kOneHot) proposal.realized = realized_.rows(0, b * n * k).reshape({b, n, k});
-  if (kind == ProposalKind::kCandidates) proposal.cand_ids = cand_ids_.rows(0, b * n * k).reshape({b, n, k});
-  drafter_->propose(d, *draft_pool_, in_.anchors.rows(0, b), params, proposal);
-  Tensor proposed = proposal.drafts;
-  Tensor drafts = out_.drafts.rows(0, b * n).reshape({b, n});
-  Tensor verify_ids = in_.verify_ids.rows(0, t).reshape({b, q});
-  backend_.assemble_drafts(proposed.reshape({b, n}), in_.override_drafts.rows(0, b * n).reshape({b, n}),
-                           in_.use_override.rows(0, b), drafts, verify_ids);
-  mark(0);
-  // Verify: [anchor, drafts] causal, every row's logits, taps for the context update.
-  DeviceBatch v = d;
-  v.token_ids = in_.verify_ids.rows(0, t);
-  v.meta.causal = true;
-  v.logit_rows = Tensor();
-  v.all_logit_rows = true;
-  v.want_taps = true;
-  ForwardResult fwd = target_.forward(v, target_pool_);
-  mark(1);
-  Tensor accepted = out_.num_accepted.rows(0, b), next = out_.next_token.rows(0, b);
-  if (kind != ProposalKind::kOneHot) {  // cand_ids empty for dense proposals
-    backend_.accept_candidates(drafts, proposal.cand_ids, proposal.realized, fwd.logits, params, accepted, next);
-  } else {
-    backend_.accept(drafts, fwd.logits, params, accepted, next);
-  }
-  mark(2);
-  // Context update of all q rows (the rejected ones are overwritten by the next draft block).
-  drafter_->update_context(fwd.taps, d.positions, d.slots, *draft_pool_);
-  mark(3);
+  issue_speculative(d, params, phase);
 }
 
 void DecodePrograms::capture() {

@@ -87,6 +87,9 @@ class DecodePrograms {
   struct Graph;
   // Issues the program's ops for `b` padded rows (eager, or being captured).
   void issue(int64_t b, const std::function<void(int)>& phase);
+  // The speculative op sequence over batch `d` (draft → verify → accept → context), in
+  // runtime/speculative_step.cpp with the rest of the speculative step.
+  void issue_speculative(DeviceBatch& d, const Tensor& params, const std::function<void(int)>& phase);
   void stage(const std::vector<DecodeRow>& rows, int64_t b, int slot);
   StepInputs<int32_t*> host_inputs(int slot) const { return in_layout_.host(in_host_[slot].get()); }
   StepOutputs<int32_t*> host_outputs(int slot) const { return out_layout_.host(out_host_[slot].get()); }

@@ -1,9 +1,17 @@
-// The DFlash draft–verify steps of the engine, batched over requests with ragged acceptance.
-// Prefill of new requests: one causal target forward with taps over their prompts, the first
-// token, the prompt rows into the drafter's context. Decode (decode_program.h, one CUDA graph):
-// draft over [anchor, MASK x n] → verify [anchor, drafts] with taps → accept (greedy or exact
-// rejection sampling) → drafter context; then commit here: truncate the target KV, emit tokens
-// with stop checks, metrics. Also Engine::propose, the one-prompt drafter inspection.
+// The DFlash speculative step, read top to bottom. Engine::step (engine.cpp) schedules the
+// running requests and sends new prompts here to speculative_prefill and requests past their
+// prefill to speculative_decode:
+//   prefill   one causal target forward with taps over the new prompts, the first token, and
+//             the prompt rows into the drafter's context (its K/V);
+//   decode    the rows of the step are staged into the decode program, which runs (one CUDA
+//             graph on CUDA, eager on the CPU) issue_speculative below:
+//               draft    the drafter proposes n tokens per request from [anchor, MASK x n]
+//                        (drafter.h: argmax, sampled, or DFlash2's candidate walk);
+//               verify   one causal target forward over [anchor, drafts] with taps;
+//               accept   greedy prefix match, or exact rejection sampling against the proposal;
+//               context  the verify rows' taps into the drafter's context;
+//   commit    back on the host: truncate the target KV to the accepted length, emit the tokens
+//             with stop checks, and the per-request metrics.
 #include <algorithm>
 
 #include "runtime/engine.h"
@@ -21,42 +29,6 @@ int max_blocks_of(const std::vector<Request*>& reqs) {
 SampleRow sample_row_of(const Request& r, int64_t position) {
   const SamplingConfig& s = r.input.sampling;
   return SampleRow{s.temperature, s.top_k, s.top_p, s.seed, position};
-}
-
-// Adds one drafter block [anchor, mask x n] at positions q0 .. q0 + n to `batch`.
-void add_block(ForwardBatch& batch, const BlockTable& blocks, int64_t q0, int32_t anchor, int32_t mask, int64_t n,
-               int max_blocks) {
-  if (batch.query_start.empty()) batch.query_start.push_back(0);
-  const int64_t row0 = batch.num_tokens();
-  for (int64_t j = 0; j <= n; ++j) {
-    batch.token_ids.push_back(j == 0 ? anchor : mask);
-    batch.positions.push_back(static_cast<int32_t>(q0 + j));
-    batch.slots.push_back(blocks.slot(q0 + j));
-    if (j > 0) batch.logit_rows.push_back(static_cast<int32_t>(row0 + j));
-  }
-  batch.query_start.push_back(static_cast<int32_t>(batch.num_tokens()));
-  batch.kv_len.push_back(static_cast<int32_t>(q0 + n + 1));
-  std::vector<int32_t> row(blocks.blocks());
-  row.resize(max_blocks, 0);
-  batch.block_table.insert(batch.block_table.end(), row.begin(), row.end());
-  batch.max_blocks_per_seq = max_blocks;
-}
-
-// Greedy draft tokens: the argmax of each drafter logit row.
-std::vector<int32_t> argmax_rows(Backend& backend, const Tensor& logits) {
-  const int64_t rows = logits.dim(0);
-  std::vector<SampleRow> greedy(rows);  // temperature 0
-  std::vector<int32_t> out(rows);
-  if (rows > 0) backend.sample(logits, greedy, out.data());
-  return out;
-}
-
-// The int32 tensor t, copied to the host.
-std::vector<int32_t> download_i32(Backend& backend, const Tensor& t) {
-  std::vector<int32_t> out(t.numel());
-  backend.copy_to_host(out.data(), t, out.size() * 4);
-  backend.synchronize();
-  return out;
 }
 
 // Seconds since `*t`, after the backend finished its queued work; resets `*t`.
@@ -111,6 +83,48 @@ std::vector<StepOutput> Engine::speculative_prefill(const std::vector<Request*>&
     drafter.update_context(taps, ctx_positions, ctx_slots, *spec_.pool);
   }
   return outputs;
+}
+
+void DecodePrograms::issue_speculative(DeviceBatch& d, const Tensor& params, const std::function<void(int)>& phase) {
+  const int64_t b = d.meta.num_seqs, n = n_, q = q_, t = b * q;
+  auto mark = [&](int p) {
+    if (phase) phase(p);
+  };
+  // Draft: [anchor, MASK x n] per request over context + block, through the drafting seam.
+  d.meta.causal = false;
+  d.logit_rows = in_.logit_rows.rows(0, b * n);
+  const int64_t k = drafter_->proposal_width();
+  const ProposalKind kind = drafter_->proposal_kind();
+  DraftOutputs proposal;
+  proposal.drafts = proposed_.rows(0, b * n).reshape({b, n});
+  if (kind != ProposalKind::kOneHot) proposal.realized = realized_.rows(0, b * n * k).reshape({b, n, k});
+  if (kind == ProposalKind::kCandidates) proposal.cand_ids = cand_ids_.rows(0, b * n * k).reshape({b, n, k});
+  drafter_->propose(d, *draft_pool_, in_.anchors.rows(0, b), params, proposal);
+  Tensor proposed = proposal.drafts;
+  Tensor drafts = out_.drafts.rows(0, b * n).reshape({b, n});
+  Tensor verify_ids = in_.verify_ids.rows(0, t).reshape({b, q});
+  backend_.assemble_drafts(proposed.reshape({b, n}), in_.override_drafts.rows(0, b * n).reshape({b, n}),
+                           in_.use_override.rows(0, b), drafts, verify_ids);
+  mark(0);
+  // Verify: [anchor, drafts] causal, every row's logits, taps for the context update.
+  DeviceBatch v = d;
+  v.token_ids = in_.verify_ids.rows(0, t);
+  v.meta.causal = true;
+  v.logit_rows = Tensor();
+  v.all_logit_rows = true;
+  v.want_taps = true;
+  ForwardResult fwd = target_.forward(v, target_pool_);
+  mark(1);
+  Tensor accepted = out_.num_accepted.rows(0, b), next = out_.next_token.rows(0, b);
+  if (kind != ProposalKind::kOneHot) {  // cand_ids empty for dense proposals
+    backend_.accept_candidates(drafts, proposal.cand_ids, proposal.realized, fwd.logits, params, accepted, next);
+  } else {
+    backend_.accept(drafts, fwd.logits, params, accepted, next);
+  }
+  mark(2);
+  // Context update of all q rows (the rejected ones are overwritten by the next draft block).
+  drafter_->update_context(fwd.taps, d.positions, d.slots, *draft_pool_);
+  mark(3);
 }
 
 std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& running,
@@ -176,85 +190,6 @@ std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& 
     outputs.push_back(std::move(out));
   }
   return outputs;
-}
-
-void Engine::propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* drafts, std::vector<float>* logits,
-                     ProposeDetails* details) {
-  DFLASH_ARG_CHECK(spec_.drafter != nullptr, "propose() needs a Session with a draft model");
-  Drafter& drafter = *spec_.drafter;
-  const int64_t n = spec_.num_spec_tokens, p = static_cast<int64_t>(prompt.size());
-  const int64_t vocab = model_.config().vocab_size;
-  DFLASH_ARG_CHECK(p > 0, "the prompt is empty");
-  DFLASH_ARG_CHECK(p + n + 1 <= max_model_len_, "the prompt has ", p, " tokens; with the ", n,
-                   "-token draft block it does not fit max_model_len=", max_model_len_);
-  for (int32_t t : prompt) {
-    DFLASH_ARG_CHECK(t >= 0 && t < vocab, "prompt token id ", t, " is outside the vocabulary [0, ", vocab, ")");
-  }
-  const int64_t bs = scheduler_.config().block_size;
-  DFLASH_ARG_CHECK(BlockTable::blocks_for(p + n + 1, bs) <= allocator_.num_free(),
-                   "not enough free KV cache blocks for propose()");
-  BlockTable table(bs);
-  table.reserve(p + n + 1, allocator_);
-  backend_.begin_step();
-  try {
-    ForwardBatch pre;
-    pre.want_taps = true;
-    pre.query_start.push_back(0);
-    for (int64_t i = 0; i < p; ++i) {
-      pre.token_ids.push_back(prompt[i]);
-      pre.positions.push_back(static_cast<int32_t>(i));
-      pre.slots.push_back(table.slot(i));
-    }
-    pre.query_start.push_back(static_cast<int32_t>(p));
-    pre.kv_len.push_back(static_cast<int32_t>(p));
-    pre.block_table = table.blocks();
-    pre.max_blocks_per_seq = static_cast<int>(table.blocks().size());
-    pre.logit_rows.push_back(static_cast<int32_t>(p - 1));
-    ForwardResult fwd = model_.forward(pre, pool_);
-    const int32_t anchor = argmax_rows(backend_, fwd.logits)[0];
-    drafter.update_context(fwd.taps, pre.positions, pre.slots, *spec_.pool);
-    ForwardBatch block;
-    add_block(block, table, p, anchor, static_cast<int32_t>(drafter.config().mask_token_id), n,
-              static_cast<int>(table.blocks().size()));
-    const DeviceBatch d = device_batch_upload(backend_, block, /*causal=*/false);
-    Tensor draft_logits = drafter.draft_logits(d, *spec_.pool);
-    logits->resize(draft_logits.numel());
-    backend_.download_f32(draft_logits, logits->data());
-    // The drafts as a decode step makes them (greedy sampling parameters).
-    const int64_t k = drafter.proposal_width();
-    DraftOutputs out;
-    out.drafts = backend_.empty({1, n}, DType::kI32);
-    if (drafter.proposal_kind() == ProposalKind::kDense) out.realized = backend_.empty({1, n, k}, DType::kF32);
-    if (drafter.proposal_kind() == ProposalKind::kCandidates) {
-      out.cand_ids = backend_.empty({1, n, k}, DType::kI32);
-      out.realized = backend_.empty({1, n, k}, DType::kF32);
-      out.unary = backend_.empty({1, n, k}, DType::kF32);
-      out.edges = backend_.empty({1, n, k, k}, DType::kF32);
-    }
-    SampleRow greedy;
-    greedy.position = p + 1;
-    const SampleParamsPacked packed = sample_params_pack(greedy);
-    Tensor params = backend_.upload_i32(reinterpret_cast<const int32_t*>(&packed),
-                                        {static_cast<int64_t>(sizeof(packed) / 4)});
-    params.dtype = DType::kU8;
-    params.shape = {static_cast<int64_t>(sizeof(packed))};
-    drafter.propose(d, *spec_.pool, backend_.upload_i32(&anchor, {1}), params, out);
-    *drafts = download_i32(backend_, out.drafts);
-    if (details && drafter.proposal_kind() == ProposalKind::kCandidates) {
-      details->k = k;
-      details->cand_ids = download_i32(backend_, out.cand_ids);
-      details->unary.resize(out.unary.numel());
-      backend_.download_f32(out.unary, details->unary.data());
-      details->edges.resize(out.edges.numel());
-      backend_.download_f32(out.edges, details->edges.data());
-      details->realized.resize(out.realized.numel());
-      backend_.download_f32(out.realized, details->realized.data());
-    }
-  } catch (...) {
-    table.release(allocator_);
-    throw;
-  }
-  table.release(allocator_);
 }
 
 }  // namespace dflash
