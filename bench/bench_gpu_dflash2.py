@@ -16,9 +16,15 @@ of the same backbone weights (same layers, no conv, no selector). Sections (--se
            and DFlash2 step / DFlash step.
   profile  CUPTI (torch.profiler) kernel activity of the DFlash2 step at the same batches: time
            per step of the conv, top-K, edge, walk and acceptance kernels; their share of the step.
-The FP8 candidate head (issue 13 section 5) is not built in this version; the JSON says so.
+  fp8      the FP8 candidate head's GEMM (linear_fp8, e4m3 weights [151936, 4096] = 622 MB) against
+           the exact bf16 head through the backend's linear (cuBLASLt at this weight size; the
+           skinny kernel too where it runs, M <= 32) at 7, 56 and 224 rows (batch 1, 8, 32 x 7
+           slots), timed as CUDA-graph replays; bytes read per second of each against the copy
+           bandwidth; and the exact re-score of the K = 16 candidates of those rows.
+The step comparison with draft_head="fp8" (whole DFlash2 steps, τ on real drafters) is a
+follow-up: the JSON's fp8_candidate_head says what this version measures.
 Headline keys: dflash2_step_over_dflash_step_bs1, dflash2_extras_share_bs1,
-topk_speedup_vs_torch_bs1.
+topk_speedup_vs_torch_bs1, fp8_head_speedup_vs_bf16_bs1.
 
 Usage (GPU machine, dflash installed): python bench/bench_gpu_dflash2.py --out DIR [--quick]
 Writes DIR/gpu_h200_dflash2.json, DIR/gpu_h200_dflash2.png and updates DIR/headline.json.
@@ -252,6 +258,57 @@ def bench_walk(K, reqs: int, slots: int = 7, k: int = 16) -> dict[str, Any]:
             "torch_graph_s": graphed, "speedup_vs_torch_eager": eager / ours}
 
 
+FP8_ROWS = (7, 56, 224)
+
+
+def bench_fp8(K, rows_list=FP8_ROWS, vocab: int = 151936, hidden: int = 4096) -> dict[str, Any]:
+    """linear_fp8 vs the exact bf16 head (cuBLASLt, and the skinny kernel where it runs) and the
+    exact re-score, per row count; one bf16 head and its FP8 copy shared by all points."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(13)
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    q = torch.empty(vocab, hidden, device="cuda", dtype=torch.uint8)
+    scale = torch.empty(vocab, device="cuda")
+    K.cuda_fp8_quantize_rows(w, q, scale)
+    fp8_bytes, bf16_bytes = q.numel() + scale.numel() * 4, w.numel() * 2
+    bw = copy_bw_gbs()
+    out: dict[str, Any] = {"vocab": vocab, "hidden": hidden, "fp8_weight_bytes": fp8_bytes,
+                           "bf16_weight_bytes": bf16_bytes, "copy_bw_gbs": bw}
+    for rows in rows_list:
+        x = torch.randn(rows, hidden, device="cuda", generator=g).to(torch.bfloat16)
+        o8 = torch.empty(rows, vocab, device="cuda")
+        o16 = torch.empty(rows, vocab, device="cuda")
+        fp8_s = graph_time([lambda: K.cuda_linear_fp8(x, q, scale, o8, stream=stream())])
+        lt_s = graph_time([lambda: K.cuda_cublaslt_gemm(x, w, o16, stream=stream())])
+        r: dict[str, Any] = {"rows": rows, "fp8_graph_s": fp8_s, "cublaslt_bf16_graph_s": lt_s,
+                             "fp8_gbs": fp8_bytes / fp8_s / 1e9, "cublaslt_gbs": bf16_bytes / lt_s / 1e9,
+                             "speedup_vs_cublaslt": lt_s / fp8_s}
+        if rows <= 32:
+            sk_s = graph_time([lambda: K.cuda_skinny_gemm(x, w, o16, stream=stream())])
+            r.update({"skinny_bf16_graph_s": sk_s, "skinny_gbs": bf16_bytes / sk_s / 1e9,
+                      "speedup_vs_skinny": sk_s / fp8_s})
+        if bw:
+            r["fp8_share_of_copy_bw"] = r["fp8_gbs"] / bw
+        # accuracy of the FP8 logits against the exact head, and the re-score of 16 candidates
+        K.cuda_linear_fp8(x, q, scale, o8)
+        K.cuda_cublaslt_gemm(x, w, o16)
+        r["max_abs_logit_diff"] = float((o8 - o16).abs().max())
+        top_fp8 = torch.topk(o8, 16, dim=-1).indices
+        top_exact = torch.topk(o16, 16, dim=-1).indices
+        r["top16_shared"] = float(torch.tensor([len(set(a.tolist()) & set(b.tolist())) / 16
+                                                for a, b in zip(top_fp8, top_exact)]).mean())
+        ids = top_fp8.to(torch.int32).contiguous()
+        unary = torch.empty(rows, 16, device="cuda")
+        r["rescore_graph_s"] = graph_time([lambda: K.cuda_rescore_candidates(x, w, ids, unary, 1.0, 0.0,
+                                                                             stream=stream())])
+        out[f"rows{rows}"] = r
+        del o8, o16
+    del w, q
+    free_cuda_memory()
+    return out
+
+
 _COPY_BW: dict[str, float] = {}
 
 
@@ -394,7 +451,7 @@ def profile_step(sess, batch: int, steps: int) -> dict[str, Any]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--sections", default="copy,kernels,steps,profile")
+    ap.add_argument("--sections", default="copy,kernels,fp8,steps,profile")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="fewer steps and kernel points")
     args = ap.parse_args(argv)
@@ -402,7 +459,9 @@ def main(argv=None) -> None:
     out_dir = Path(args.out)
     path = out_dir / f"{RESULT_NAME}.json"
     res: dict[str, Any] = {**run_record(RESULT_NAME), "geometry": {"target": QWEN3_8B, "dflash2": DFLASH2_B8},
-                           "fp8_candidate_head": "not built in this version (issue 13 section 5 is open)"}
+                           "fp8_candidate_head": "the fp8 section: linear_fp8 vs the exact bf16 head and the "
+                                                 "re-score, kernel level; whole steps with draft_head='fp8' and "
+                                                 "acceptance on trained drafters are a follow-up"}
     t0 = time.perf_counter()
     steps = 10 if args.quick else args.steps
 
@@ -430,6 +489,20 @@ def main(argv=None) -> None:
                 log(t0, f"{name}: FAILED {e}")
                 traceback.print_exc()
             save()
+    if "fp8" in sections:
+        try:
+            res["fp8"] = bench_fp8(K)
+            for n in FP8_ROWS:
+                r = res["fp8"][f"rows{n}"]
+                log(t0, f"fp8 rows {n}: linear_fp8 {r['fp8_graph_s'] * 1e6:.1f} us ({r['fp8_gbs']:.0f} GB/s), "
+                        f"cuBLASLt bf16 {r['cublaslt_bf16_graph_s'] * 1e6:.1f} us ({r['cublaslt_gbs']:.0f} GB/s), "
+                        f"speedup {r['speedup_vs_cublaslt']:.2f}, re-score {r['rescore_graph_s'] * 1e6:.1f} us, "
+                        f"top-16 shared {r['top16_shared'] * 100:.1f} %")
+        except Exception as e:  # noqa: BLE001 - record and go on
+            res["fp8"] = {"error": f"{type(e).__name__}: {e}"}
+            log(t0, f"fp8: FAILED {e}")
+            traceback.print_exc()
+        save()
     if sections & {"steps", "profile"}:
         work = Path(tempfile.mkdtemp(prefix="dflash2_bench_"))
         model = work / "target"
@@ -472,6 +545,9 @@ def main(argv=None) -> None:
     topk = res.get("kernels", {}).get("topk_bs1", {})
     if "speedup_vs_torch_graph" in topk:
         headline["topk_speedup_vs_torch_bs1"] = round(topk["speedup_vs_torch_graph"], 3)
+    fp8 = res.get("fp8", {}).get("rows7", {})
+    if "speedup_vs_cublaslt" in fp8:
+        headline["fp8_head_speedup_vs_bf16_bs1"] = round(fp8["speedup_vs_cublaslt"], 3)
     if "dflash2_extras_share_bs1" in headline:
         res["goals"] = {"extras_share_bs1": {"goal": GOAL_EXTRAS_SHARE_BS1, "measured": headline["dflash2_extras_share_bs1"],
                                              "met": headline["dflash2_extras_share_bs1"] <= GOAL_EXTRAS_SHARE_BS1}}

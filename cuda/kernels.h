@@ -262,5 +262,35 @@ size_t decode_attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, i
 int decode_attention_splits(const DecodeAttentionArgs& args);
 cudaError_t decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------------
+// DFlash2's FP8 candidate head (backend.h, Fp8Weight; host reference backend/cpu/host_fp8.h): an
+// e4m3 copy of the LM head with one fp32 scale per row picks the candidates, the exact head
+// re-scores them.
+
+// Per-row e4m3 quantization of w [V, H] (bf16): scale[v] = max_k |w[v, k]| / 448 (1 when that is
+// not positive), q[v, k] = e4m3(w[v, k] / scale[v]) (IEEE division, round to nearest even,
+// saturating at +-448): bit for bit fp8_quantize_row. q [V, H] e4m3 bytes, scale [V] fp32.
+cudaError_t fp8_quantize_rows(const __nv_bfloat16* w, int64_t vocab, int64_t hidden, uint8_t* q, float* scale,
+                              cudaStream_t stream);
+
+// out [M, V] fp32 = x [M, H] (bf16) @ W^T, W[v, k] = scale[v] * e4m3(q[v, k]) (q [V, H] e4m3 bytes,
+// scale [V] fp32): exact bf16 products (e4m3 -> bf16 is exact), fp32 accumulation, the scale
+// applied to the sum. q is read from device memory once per launch whatever M. Needs
+// 1 <= M <= kFp8GemvMaxRows, H % 16 == 0, x and q 16-byte aligned (linear_fp8_supports); any V
+// (<= 2^30). cudaErrorInvalidValue otherwise (M == 0 or V == 0: nothing to do). Deterministic.
+constexpr int64_t kFp8GemvMaxRows = 512;
+bool linear_fp8_supports(const void* x, const void* q, int64_t m, int64_t hidden);
+cudaError_t linear_fp8(const __nv_bfloat16* x, const uint8_t* q, const float* scale, int64_t m, int64_t vocab,
+                       int64_t hidden, float* out, cudaStream_t stream);
+
+// Exact re-score of candidates, per row r of h [R, H] (bf16): v[j] = dot(h[r], head[ids[r, j]])
+// (head [V, H] bf16, fp32 accumulation in a fixed order), then ids [R, K] (in/out) re-sorted by v
+// (descending, lowest id first on ties, NaN last: topk_candidates' order) and unary [R, K] =
+// v * multiplier, then softcap * tanh(. / softcap) when softcap > 0 (NaN, or an id outside
+// [0, V): -inf). K <= kTopkMaxK, H % 8 == 0, h and head 16-byte aligned.
+cudaError_t rescore_candidates(const __nv_bfloat16* h, const __nv_bfloat16* head, int64_t rows, int64_t k,
+                               int64_t hidden, int64_t vocab, float multiplier, float softcap, int32_t* ids,
+                               float* unary, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace dflash

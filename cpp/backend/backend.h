@@ -78,6 +78,16 @@ inline SampleRow sample_params_unpack(const SampleParamsPacked& p) {
   return r;
 }
 
+// An FP8 (e4m3) copy of a weight w [V, H] with one fp32 scale per row (DFlash2's candidate
+// head): scale[v] = max_k |w[v, k]| / 448 (1 for an all-zero row), q[v, k] = e4m3(w[v, k] /
+// scale[v]) rounded to nearest even and saturated at +-448; w[v, k] ~ scale[v] * q[v, k].
+struct Fp8Weight {
+  Tensor q;      // [V, H] kU8, e4m3 bytes
+  Tensor scale;  // [V] fp32
+  bool empty() const { return q.empty(); }
+  size_t nbytes() const { return q.nbytes() + scale.nbytes(); }
+};
+
 // A captured sequence of backend ops (a CUDA graph), replayed with `Backend::graph_launch`.
 class CapturedGraph {
  public:
@@ -220,6 +230,22 @@ class Backend {
   virtual void topk_candidates(const Tensor& logits, int64_t k, float multiplier, float softcap, Tensor& ids,
                                Tensor& unary) {
     unsupported("topk_candidates");
+  }
+  // The FP8 candidate head (draft_head="fp8"): fp8_rows makes the FP8 copy of a weight w [V, H]
+  // (Fp8Weight above) once, at load, allocated like a weight; a shape this backend's FP8 kernel
+  // cannot run is refused here with the reason (Error).
+  virtual Fp8Weight fp8_rows(const Tensor& w) { unsupported("fp8_rows"); }
+  // out[M, V] (fp32) = x[M, H] (compute dtype) @ (scale[v] * q[v, :])^T: the products accumulate
+  // in fp32 over the exact e4m3 values, the row scale multiplies the sum.
+  virtual void linear_fp8(const Tensor& x, const Fp8Weight& w, Tensor& out) { unsupported("linear_fp8"); }
+  // Exact re-score of candidates picked on an approximate head: per row r of h [R, H] (compute
+  // dtype) and each candidate j of ids [R, K] (int32, in/out), v = dot(h[r], head[ids[r, j]])
+  // with head [V, H] the exact LM head (fp32 accumulation); the K candidates are re-sorted as
+  // topk_candidates sorts (v descending, lowest id first on ties, NaN last) and unary [R, K] =
+  // v * multiplier, then softcap * tanh(. / softcap) when softcap > 0 (NaN: -inf).
+  virtual void rescore_candidates(const Tensor& h, const Tensor& head, float multiplier, float softcap, Tensor& ids,
+                                  Tensor& unary) {
+    unsupported("rescore_candidates");
   }
   // Edge scores of the candidate lattice, fp32: ids[R, S, K], unary[R, S, K], gate[R, S, r] (the
   // hidden projection of the drafter's state at each slot), anchors[R] int32, codebooks A, B [V, r]:

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/host_fp8.h"
 #include "runtime/session.h"
 
 namespace nb = nanobind;
@@ -21,6 +22,7 @@ using namespace dflash;
 #ifdef DFLASH_WITH_CUDA
 void bind_cuda_testing(nb::module_& testing);
 void bind_cuda_testing_dflash2(nb::module_& testing);
+void bind_cuda_testing_fp8(nb::module_& testing);
 void bind_triton_testing(nb::module_& testing);
 #endif
 
@@ -113,6 +115,75 @@ nb::object cpu_topk_candidates(const F32Array& logits, int64_t k, float multipli
   return nb::make_tuple(nb::cast(id_list), to_numpy_2d(values, k));
 }
 
+using U8Array = nb::ndarray<uint8_t, nb::numpy, nb::c_contig, nb::device::cpu>;
+
+// A new numpy array of `shape` holding a copy of data[numel].
+template <typename T>
+nb::object numpy_copy(const T* data, std::vector<size_t> shape) {
+  size_t n = 1;
+  for (size_t d : shape) n *= d;
+  T* buf = new T[n ? n : 1];
+  if (n) std::memcpy(buf, data, n * sizeof(T));
+  nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  return nb::cast(nb::ndarray<nb::numpy, T>(buf, shape.size(), shape.data(), owner));
+}
+
+// The host e4m3 codec (backend/cpu/host_fp8.h) over an array, for tests: bytes of the values'
+// shape, and the values of bytes.
+nb::object cpu_fp8_encode(const F32Array& x) {
+  std::vector<uint8_t> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = fp8_e4m3_encode(x.data()[i]);
+  std::vector<size_t> shape;
+  for (size_t i = 0; i < x.ndim(); ++i) shape.push_back(x.shape(i));
+  return numpy_copy(out.data(), shape);
+}
+
+nb::object cpu_fp8_decode(const U8Array& q) {
+  std::vector<float> out(q.size());
+  for (size_t i = 0; i < q.size(); ++i) out[i] = fp8_e4m3_decode(q.data()[i]);
+  std::vector<size_t> shape;
+  for (size_t i = 0; i < q.ndim(); ++i) shape.push_back(q.shape(i));
+  return numpy_copy(out.data(), shape);
+}
+
+// The CPU backend's FP8 copy of w [V, H]: (q [V, H] uint8 e4m3, scale [V] fp32).
+nb::object cpu_fp8_rows(const F32Array& w) {
+  DFLASH_ARG_CHECK(w.ndim() == 2 && w.shape(1) >= 1, "fp8_rows: w [V, H]");
+  CpuBackend backend(1);
+  const Fp8Weight f = backend.fp8_rows(wrap(w, DType::kF32));
+  return nb::make_tuple(numpy_copy(f.q.ptr<uint8_t>(), {w.shape(0), w.shape(1)}),
+                        numpy_copy(f.scale.ptr<float>(), {w.shape(0)}));
+}
+
+// The CPU backend's linear_fp8: out [M, V] = x [M, H] @ (scale[v] * e4m3(q[v, :]))^T.
+nb::object cpu_linear_fp8(const F32Array& x, const U8Array& q, const F32Array& scale) {
+  DFLASH_ARG_CHECK(x.ndim() == 2 && q.ndim() == 2 && scale.ndim() == 1 && x.shape(1) == q.shape(1) &&
+                       scale.shape(0) == q.shape(0),
+                   "linear_fp8: x [M, H], q [V, H], scale [V]");
+  CpuBackend backend(2);
+  Fp8Weight f;
+  f.q = wrap(q, DType::kU8);
+  f.scale = wrap(scale, DType::kF32);
+  Tensor out = backend.empty({static_cast<int64_t>(x.shape(0)), static_cast<int64_t>(q.shape(0))}, DType::kF32);
+  backend.linear_fp8(wrap(x, DType::kF32), f, out);
+  return numpy_copy(out.ptr<float>(), {x.shape(0), q.shape(0)});
+}
+
+// The CPU backend's exact re-score of candidates: (ids [R, K] re-sorted, unary [R, K]).
+nb::object cpu_rescore_candidates(const F32Array& h, const F32Array& head, const I32Array& ids, float multiplier,
+                                  float softcap) {
+  DFLASH_ARG_CHECK(h.ndim() == 2 && head.ndim() == 2 && ids.ndim() == 2 && h.shape(1) == head.shape(1) &&
+                       ids.shape(0) == h.shape(0),
+                   "rescore_candidates: h [R, H], head [V, H], ids [R, K]");
+  CpuBackend backend(1);
+  const int64_t rows = ids.shape(0), k = ids.shape(1);
+  Tensor id = backend.empty({rows, k}, DType::kI32), unary = backend.empty({rows, k}, DType::kF32);
+  std::memcpy(id.data, ids.data(), id.nbytes());
+  backend.rescore_candidates(wrap(h, DType::kF32), wrap(head, DType::kF32), multiplier, softcap, id, unary);
+  return nb::make_tuple(numpy_copy(id.ptr<int32_t>(), {ids.shape(0), ids.shape(1)}),
+                        numpy_copy(unary.ptr<float>(), {ids.shape(0), ids.shape(1)}));
+}
+
 // The CPU backend's grouped dynamic conv (one side), for kernel tests: out [N, H].
 nb::object cpu_grouped_conv(const F32Array& x, const F32Array& base, const F32Array& deltas, int64_t side,
                             int64_t block, int64_t group) {
@@ -155,6 +226,15 @@ NB_MODULE(_core, m) {
               "The CPU backend's paged attention; returns [T, nh * hd].");
   testing.def("cpu_topk_candidates", &cpu_topk_candidates, "logits"_a, "k"_a, "multiplier"_a = 1.0f,
               "softcap"_a = 0.0f, "The CPU backend's DFlash2 top-K: (ids [R * K], unary [R, K]).");
+  testing.def("cpu_fp8_encode", &cpu_fp8_encode, "x"_a,
+              "The host e4m3 encode (round to nearest even, saturating at +-448, NaN -> 0x7F): uint8 bytes.");
+  testing.def("cpu_fp8_decode", &cpu_fp8_decode, "q"_a, "The value of e4m3 bytes (float32).");
+  testing.def("cpu_fp8_rows", &cpu_fp8_rows, "w"_a,
+              "The CPU backend's FP8 copy of w [V, H]: (q [V, H] uint8 e4m3, scale [V] float32).");
+  testing.def("cpu_linear_fp8", &cpu_linear_fp8, "x"_a, "q"_a, "scale"_a,
+              "The CPU backend's linear_fp8: x [M, H] @ (scale[:, None] * e4m3(q))^T, [M, V] float32.");
+  testing.def("cpu_rescore_candidates", &cpu_rescore_candidates, "h"_a, "head"_a, "ids"_a, "multiplier"_a = 1.0f,
+              "softcap"_a = 0.0f, "The CPU backend's exact re-score of candidates: (ids [R, K], unary [R, K]).");
   testing.def("cpu_grouped_conv", &cpu_grouped_conv, "x"_a, "base"_a, "deltas"_a, "side"_a, "block"_a, "group"_a,
               "The CPU backend's DFlash2 grouped dynamic conv (one side): out [N, H].");
   testing.def("cpu_linear", &cpu_linear, "x"_a, "w"_a, "num_threads"_a = 2,
@@ -176,6 +256,7 @@ NB_MODULE(_core, m) {
 #ifdef DFLASH_WITH_CUDA
   bind_cuda_testing(testing);
   bind_cuda_testing_dflash2(testing);
+  bind_cuda_testing_fp8(testing);
   bind_triton_testing(testing);
 #endif
 
@@ -195,6 +276,7 @@ NB_MODULE(_core, m) {
       .def_rw("cuda_graphs", &SessionConfig::cuda_graphs)
       .def_rw("async_decode", &SessionConfig::async_decode)
       .def_rw("draft_sampling", &SessionConfig::draft_sampling)
+      .def_rw("draft_head", &SessionConfig::draft_head)
       .def_rw("pad_decode_batches", &SessionConfig::pad_decode_batches);
 
   nb::class_<SamplingConfig>(m, "SamplingConfig")

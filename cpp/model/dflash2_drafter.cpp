@@ -1,6 +1,7 @@
 // DFlash2 drafter: conv weights, the backbone with convs (spec placement: prepare before
 // attention / MLP on the normed input, finish on the sublayer's output before the residual add),
-// and the candidate selector (top-K, edge scores, walk).
+// and the candidate selector (top-K on the exact LM head, or on its FP8 copy followed by an
+// exact re-score; edge scores; walk).
 #include "model/dflash2_drafter.h"
 
 namespace dflash {
@@ -34,6 +35,17 @@ DFlash2Drafter::DFlash2Drafter(const DraftConfig& config, const std::string& dra
   pred_codebook_ = load("candidate_selector.predecessor_codebook", {vocab, rank});
   succ_codebook_ = load("candidate_selector.successor_codebook", {vocab, rank});
   hidden_projection_ = load("candidate_selector.hidden_projection.weight", {rank, h});
+}
+
+void DFlash2Drafter::set_draft_head_fp8() {
+  if (!fp8_head_.empty()) return;
+  try {
+    fp8_head_ = backend_.fp8_rows(target_.lm_head());
+  } catch (const Error& e) {
+    throw Error(detail::concat(config_.path, ": draft_head='fp8' cannot run on the ", backend_.name(),
+                               " backend: ", e.what()));
+  }
+  weight_bytes_ += fp8_head_.nbytes();
 }
 
 void DFlash2Drafter::conv_prepare(const Conv& conv, const Tensor& x, int64_t block, Tensor& deltas, Tensor& out) {
@@ -101,13 +113,22 @@ void DFlash2Drafter::propose(const DeviceBatch& batch, KVPool& pool, const Tenso
   Tensor picked = backend_.empty({rows, geometry_.hidden}, dt);
   backend_.gather_rows(normed, batch.logit_rows, picked);
   // Candidates: top-K of the target's LM head per slot; unary = the K values scaled and capped.
+  const float multiplier = static_cast<float>(c.output_multiplier);
+  const float softcap = static_cast<float>(c.final_logit_softcapping);
   Tensor logits = backend_.empty({rows, target_.lm_head().dim(0)}, DType::kF32);
-  backend_.linear(picked, target_.lm_head(), logits);
   Tensor ids = out.cand_ids.reshape({r, n, k});
   Tensor unary = !out.unary.shape.empty() ? out.unary : backend_.empty({rows, k}, DType::kF32);
   Tensor flat_ids = ids.reshape({rows, k});
-  backend_.topk_candidates(logits, k, static_cast<float>(c.output_multiplier),
-                           static_cast<float>(c.final_logit_softcapping), flat_ids, unary);
+  if (fp8_head_.empty()) {
+    backend_.linear(picked, target_.lm_head(), logits);
+    backend_.topk_candidates(logits, k, multiplier, softcap, flat_ids, unary);
+  } else {
+    // The FP8 head picks the K ids (its values are dropped: multiplier 1, no cap); the exact head
+    // re-scores and re-sorts them.
+    backend_.linear_fp8(picked, fp8_head_, logits);
+    backend_.topk_candidates(logits, k, 1.0f, 0.0f, flat_ids, unary);
+    backend_.rescore_candidates(picked, target_.lm_head(), multiplier, softcap, flat_ids, unary);
+  }
   // Edges from the context gate at each slot, then the walk.
   Tensor gate = backend_.empty({rows, c.selector_rank}, DType::kF32);
   backend_.linear(picked, hidden_projection_, gate);

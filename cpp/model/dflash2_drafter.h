@@ -5,7 +5,9 @@
 // the top-K of the target's LM head, edge scores between adjacent slots' candidates from two
 // codebooks and a context gate, and the lattice walk (greedy, or Gumbel-sampled at T > 0 with
 // the walked rows as the proposal q). It always runs whole: no path drafts without the conv or
-// the selector.
+// the selector. With the FP8 candidate head (set_draft_head_fp8) the K candidates of a slot are
+// picked on an e4m3 copy of the LM head and re-scored on the exact head, so only the choice of
+// candidates is approximate; the scores, the walk and verification are exact.
 #pragma once
 
 #include <string>
@@ -24,6 +26,10 @@ class DFlash2Drafter : public DFlashDrafter {
   int64_t proposal_width() const override { return config_.dflash2.selector_top_k; }
   void propose(const DeviceBatch& batch, KVPool& pool, const Tensor& anchors, const Tensor& params,
                DraftOutputs& out) override;
+  // draft_head="fp8": builds the FP8 copy of the target's LM head once (counted in
+  // weight_bytes()); propose() then picks candidates on it and re-scores them exactly. Throws
+  // Error, naming this drafter and the backend, when the backend cannot run the FP8 head.
+  void set_draft_head_fp8();
 
  protected:
   Tensor backbone(const DeviceBatch& batch, KVPool& pool) override;
@@ -45,6 +51,7 @@ class DFlash2Drafter : public DFlashDrafter {
   Tensor pred_codebook_;      // A [V, r]
   Tensor succ_codebook_;      // B [V, r]
   Tensor hidden_projection_;  // [r, H]
+  Fp8Weight fp8_head_;        // the LM head's FP8 copy [V, H] (empty: candidates on the exact head)
 };
 
 }  // namespace dflash

@@ -1,6 +1,7 @@
 // Session construction (config, weights, backend, KV cache sizing) and result collection.
 #include "runtime/session.h"
 
+#include "model/dflash2_drafter.h"
 #include "model/dflash_drafter.h"
 
 #include <unistd.h>
@@ -31,7 +32,8 @@ size_t scratch_bytes(const ModelConfig& c, const SessionConfig& s, int64_t num_t
   if (draft != nullptr && draft->arch == DraftArch::kDFlash2) {
     // Per draft row: edges [K, K], candidates and unary [K], the gate [rank] (fp32), the top-K
     // partials (<= one K list of (key, id) per 4096 vocabulary entries); per block row: the conv's
-    // input and deltas [2 T H / g] (bf16).
+    // input and deltas [2 T H / g] (bf16). draft_head="fp8" needs nothing more: its FP8 logits
+    // take the exact head's logit rows (counted in `logits`), the re-score works in place.
     const DFlash2Config& d = draft->dflash2;
     const int64_t draft_rows = s.max_num_seqs * spec_tokens, k = d.selector_top_k;
     selector = draft_rows * (k * k * 4 + k * 12 + d.selector_rank * 4 + (c.vocab_size / 4096 + 2) * k * 8) +
@@ -58,6 +60,10 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   DFLASH_ARG_CHECK(config.kv_cache_tokens >= 0, "kv_cache_tokens must be positive");
   DFLASH_ARG_CHECK(config.gpu_memory_utilization > 0.0 && config.gpu_memory_utilization <= 1.0,
                    "gpu_memory_utilization must be in (0, 1], got ", config.gpu_memory_utilization);
+  DFLASH_ARG_CHECK(config.draft_head == "exact" || config.draft_head == "fp8",
+                   "draft_head must be 'exact' or 'fp8', got '", config.draft_head, "'");
+  DFLASH_ARG_CHECK(config.draft_head == "exact" || !config.draft_dir.empty(),
+                   "draft_head='fp8' needs a DFlash2 draft model (it picks DFlash2 candidates)");
   config_ = model_config_load(model_dir);
   int threads = config.num_threads > 0
                     ? config.num_threads
@@ -69,6 +75,8 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
     draft_config = draft_config_load(config.draft_dir);
     draft_config_check_target(draft_config, config_, model_dir);
     taps = draft_config.target_layer_ids;
+    DFLASH_ARG_CHECK(config.draft_head == "exact" || draft_config.arch == DraftArch::kDFlash2, config.draft_dir,
+                     ": draft_head='fp8' picks DFlash2 candidates; this is a DFlash (v1) drafter");
     const int64_t n = config.num_speculative_tokens;
     DFLASH_ARG_CHECK(n >= 0 && n <= draft_config.block_size - 1, "num_speculative_tokens must be in [1, ",
                      draft_config.block_size - 1, "] for a drafter of block_size ", draft_config.block_size,
@@ -104,6 +112,11 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
                      ": draft_sampling='probabilistic' applies to DFlash (v1) drafters; a DFlash2 drafter walks its "
                      "candidates (greedy at temperature 0, sampled above)");
     v1->set_probabilistic(true);
+  }
+  if (config.draft_head == "fp8") {
+    auto* v2 = dynamic_cast<DFlash2Drafter*>(drafter_.get());
+    DFLASH_ARG_CHECK(v2 != nullptr, config.draft_dir, ": draft_head='fp8' needs a DFlash2 drafter");
+    v2->set_draft_head_fp8();  // before the KV cache is sized: its bytes come out of the budget
   }
   if (backend_->kind() == DeviceKind::kCPU) {
     checkpoint_.reset();  // weights were copied to fp32; drop the mappings

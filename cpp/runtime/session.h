@@ -34,6 +34,10 @@ struct SessionConfig {
   // DFlash (v1) drafts: "greedy" (argmax, one-hot proposals) or "probabilistic" (sampled from the
   // drafter's distribution at T > 0 and verified against it).
   std::string draft_sampling = "greedy";
+  // DFlash2 candidates: "exact" (the top-K of the target's LM head) or "fp8" (picked on an e4m3
+  // copy of the LM head made at load, then re-scored and re-sorted on the exact head; only the
+  // choice of candidates is approximate, verification is unchanged).
+  std::string draft_head = "exact";
   // Pad decode steps to the graph batch sizes: always on CUDA; settable on the CPU so that the
   // padding rows' path (reserved KV blocks) is tested there too (test hook, not public API).
   bool pad_decode_batches = false;

@@ -88,6 +88,13 @@ class Session:
         the drafter's softmax(logits / T) on its own random stream and verified by exact
         rejection sampling against that distribution). DFlash2 drafters always walk their
         candidates (greedy at T = 0, sampled at T > 0).
+    draft_head: DFlash2 drafters only, how each draft slot's K candidates are picked: "exact"
+        (default: the top-K of the target's LM head) or "fp8" (the top-K of an FP8 e4m3 copy of
+        the LM head with one scale per vocabulary row, made once at load, which reads half the
+        bytes; the K picked candidates are then re-scored and re-sorted with the exact LM head, so
+        the selector's scores are exact and only the choice of candidates is approximate).
+        Verification always uses the exact head, so output stays lossless either way. "fp8"
+        without a drafter, or with a DFlash (v1) drafter, is a ValueError.
     device: "cpu", "cuda" or "auto" (CUDA when this build has it, else the CPU).
     max_model_len: longest prompt + generation (default: the model's max_position_embeddings).
     kv_cache_tokens: size of the paged KV cache in tokens (default: from max_model_len and
@@ -110,6 +117,7 @@ class Session:
         draft: Optional[Union[str, os.PathLike]] = None,
         num_speculative_tokens: Optional[int] = None,
         draft_sampling: str = "greedy",
+        draft_head: str = "exact",
         device: str = "auto",
         max_model_len: Optional[int] = None,
         kv_cache_tokens: Optional[int] = None,
@@ -140,6 +148,11 @@ class Session:
         if draft_sampling != "greedy" and draft is None:
             raise ValueError("draft_sampling='probabilistic' needs a draft model (draft=...)")
         config.draft_sampling = draft_sampling
+        if draft_head not in ("exact", "fp8"):
+            raise ValueError(f"draft_head must be 'exact' or 'fp8', got {draft_head!r}")
+        if draft_head != "exact" and draft is None:
+            raise ValueError("draft_head='fp8' needs a DFlash2 draft model (draft=...)")
+        config.draft_head = draft_head
         if num_speculative_tokens is not None:
             if draft is None:
                 raise ValueError("num_speculative_tokens needs a draft model (draft=...)")

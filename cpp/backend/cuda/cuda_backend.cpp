@@ -516,6 +516,49 @@ void CudaBackend::topk_candidates(const Tensor& logits, int64_t k, float multipl
                                           stream_));
 }
 
+Fp8Weight CudaBackend::fp8_rows(const Tensor& w) {
+  check_bf16(w, "fp8_rows");
+  DFLASH_CHECK(w.shape.size() == 2, "fp8_rows: w ", shape_str(w.shape), " is not [V, H]");
+  const int64_t v = w.dim(0), h = w.dim(1);
+  // The FP8 GEMM's limits, checked here (at load) so that a head it cannot run is refused.
+  DFLASH_CHECK(h >= 16 && h % 16 == 0 && h <= (int64_t{1} << 30), "the CUDA FP8 head needs a hidden size that is a "
+               "multiple of 16, got ", h);
+  DFLASH_CHECK(v >= 1 && v <= (int64_t{1} << 30), "the CUDA FP8 head supports up to 2^30 rows, got ", v);
+  Fp8Weight f;
+  f.q = persistent({v, h}, DType::kU8);
+  f.scale = persistent({v}, DType::kF32);
+  DFLASH_CUDA_CHECK(cuda::fp8_quantize_rows(bf(w), v, h, f.q.ptr<uint8_t>(), f.scale.ptr<float>(), stream_));
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return f;
+}
+
+void CudaBackend::linear_fp8(const Tensor& x, const Fp8Weight& w, Tensor& out) {
+  const int64_t v = w.q.dim(0), h = w.q.dim(1), m = x.numel() / h;
+  DFLASH_CHECK(w.q.dtype == DType::kU8 && w.scale.numel() == v && x.numel() == m * h && out.dtype == DType::kF32 &&
+                   out.numel() == m * v,
+               "linear_fp8: x ", shape_str(x.shape), " q ", shape_str(w.q.shape), " out ", shape_str(out.shape));
+  check_bf16(x, "linear_fp8 x");
+  // The kernel reads the weights once per launch of up to kFp8GemvMaxRows rows.
+  for (int64_t m0 = 0; m0 < m; m0 += cuda::kFp8GemvMaxRows) {
+    const int64_t rows = std::min<int64_t>(cuda::kFp8GemvMaxRows, m - m0);
+    DFLASH_CUDA_CHECK(cuda::linear_fp8(bf(x) + m0 * h, w.q.ptr<uint8_t>(), w.scale.ptr<float>(), rows, v, h,
+                                       out.ptr<float>() + m0 * v, stream_));
+  }
+}
+
+void CudaBackend::rescore_candidates(const Tensor& h, const Tensor& head, float multiplier, float softcap,
+                                     Tensor& ids, Tensor& unary) {
+  const int64_t rows = ids.dim(0), k = ids.dim(1), hidden = head.dim(1);
+  DFLASH_CHECK(ids.dtype == DType::kI32 && h.numel() == rows * hidden && unary.dtype == DType::kF32 &&
+                   unary.numel() == rows * k && k <= cuda::kTopkMaxK,
+               "rescore_candidates: h ", shape_str(h.shape), " head ", shape_str(head.shape), " ids ",
+               shape_str(ids.shape), " unary ", shape_str(unary.shape));
+  check_bf16(h, "rescore_candidates h");
+  check_bf16(head, "rescore_candidates head");
+  DFLASH_CUDA_CHECK(cuda::rescore_candidates(bf(h), bf(head), rows, k, hidden, head.dim(0), multiplier, softcap,
+                                             ids.ptr<int32_t>(), unary.ptr<float>(), stream_));
+}
+
 void CudaBackend::edge_scores(const Tensor& ids, const Tensor& unary, const Tensor& gate, const Tensor& anchors,
                               const Tensor& pred_codebook, const Tensor& succ_codebook, Tensor& edges) {
   const int64_t b = ids.dim(0), slots = ids.dim(1), k = ids.dim(2), rank = gate.dim(-1);

@@ -91,6 +91,10 @@ class CudaBackend final : public Backend {
                     int64_t group, bool accumulate, Tensor& out) override;
   void topk_candidates(const Tensor& logits, int64_t k, float multiplier, float softcap, Tensor& ids,
                        Tensor& unary) override;
+  Fp8Weight fp8_rows(const Tensor& w) override;
+  void linear_fp8(const Tensor& x, const Fp8Weight& w, Tensor& out) override;
+  void rescore_candidates(const Tensor& h, const Tensor& head, float multiplier, float softcap, Tensor& ids,
+                          Tensor& unary) override;
   void edge_scores(const Tensor& ids, const Tensor& unary, const Tensor& gate, const Tensor& anchors,
                    const Tensor& pred_codebook, const Tensor& succ_codebook, Tensor& edges) override;
   void lattice_walk(const Tensor& edges, const Tensor& ids, const Tensor& params, Tensor& drafts,
