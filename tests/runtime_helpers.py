@@ -140,3 +140,30 @@ def sampled_second_tokens(session, prompt: Sequence[int], first: int, *, tempera
     while session._core.has_unfinished():
         session._core.step()
     return [session._core.take_result(i) for i in ids]
+
+
+def target_config(target) -> dict:
+    """A model directory's config.json as a dict."""
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(target) / "config.json").read_text())
+
+
+def small_dflash2(out_dir, target, **kw):
+    """A random one-layer DFlash2 drafter for the tiny target `target` in `out_dir` (block 4, taps
+    [0, 1], group 8, rank 8, K 8 unless `kw` says otherwise)."""
+    from dflash.drafter_format import write_dflash2_drafter
+
+    for name, value in (("num_layers", 1), ("target_layer_ids", [0, 1]), ("block_size", 4), ("conv_group_size", 8),
+                        ("selector_rank", 8), ("selector_top_k", 8)):
+        kw.setdefault(name, value)
+    return write_dflash2_drafter(out_dir, target_config=target_config(target), **kw)
+
+
+def greedy_ids(session, prompts, max_tokens: int = 20) -> list[list[int]]:
+    """The token ids of a greedy generate() of `prompts` (ignoring EOS)."""
+    import dflash
+
+    params = dflash.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in session.generate(prompts, params)]

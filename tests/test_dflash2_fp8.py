@@ -19,12 +19,24 @@ import torch
 
 import dflash
 from dflash import _core
-from dflash.drafter_format import write_dflash2_drafter, write_dflash_drafter
-from tests.runtime_helpers import assert_no_leaks, sampled_second_tokens
+from dflash.drafter_format import write_dflash_drafter
+from tests.runtime_helpers import assert_no_leaks, greedy_ids, sampled_second_tokens, small_dflash2, target_config
 from tests.test_dflash_sampling import _chi2_ok, _target_probs
 
 K = _core.testing
 PROMPTS = [[17, 42, 99, 7, 250, 31], [5, 6, 7, 8], list(range(40, 70)), [300, 2, 301, 3, 302]]
+
+
+def _cfg(target):
+    return target_config(target)
+
+
+def _dflash2(tmp_path, target, name="d2", **kw):
+    return small_dflash2(tmp_path / name, target, **kw)
+
+
+def _greedy(sess, prompts, max_tokens=20):
+    return greedy_ids(sess, prompts, max_tokens)
 
 
 def torch_encode(x: np.ndarray) -> np.ndarray:
@@ -191,25 +203,6 @@ def test_fp8_candidates_equal_the_exact_top_k_when_well_separated():
 @pytest.fixture
 def target(tiny_model_dirs):
     return tiny_model_dirs["llama_gqa"]
-
-
-def _cfg(target):
-    return json.loads((target / "config.json").read_text())
-
-
-def _dflash2(tmp_path, target, name="d2", **kw):
-    kw.setdefault("num_layers", 1)
-    kw.setdefault("target_layer_ids", [0, 1])
-    kw.setdefault("block_size", 4)
-    kw.setdefault("conv_group_size", 8)
-    kw.setdefault("selector_rank", 8)
-    kw.setdefault("selector_top_k", 8)
-    return write_dflash2_drafter(tmp_path / name, target_config=_cfg(target), **kw)
-
-
-def _greedy(sess, prompts, max_tokens=20):
-    params = dflash.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in sess.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("geometry", [

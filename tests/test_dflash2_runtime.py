@@ -15,36 +15,29 @@ import numpy as np
 import pytest
 
 import dflash
-from dflash.drafter_format import write_dflash2_drafter, write_dflash_drafter
+from dflash.drafter_format import write_dflash_drafter
 from tests.reference.dflash2_reference import load_drafter2, propose2_ref, spec_generate2_ref
-from tests.runtime_helpers import assert_no_leaks, sampled_second_tokens
+from tests.runtime_helpers import assert_no_leaks, greedy_ids, sampled_second_tokens, small_dflash2, target_config
 from tests.test_dflash_sampling import _chi2_ok, _target_probs
 
 PROMPTS = [[17, 42, 99, 7, 250, 31], [5, 6, 7, 8], list(range(40, 70)), [300, 2, 301, 3, 302]]
 
 
-@pytest.fixture
-def target(tiny_model_dirs):
-    return tiny_model_dirs["llama_gqa"]
-
-
 def _cfg(target):
-    return json.loads((target / "config.json").read_text())
+    return target_config(target)
 
 
 def _dflash2(tmp_path, target, name="d2", **kw):
-    kw.setdefault("num_layers", 1)
-    kw.setdefault("target_layer_ids", [0, 1])
-    kw.setdefault("block_size", 4)
-    kw.setdefault("conv_group_size", 8)
-    kw.setdefault("selector_rank", 8)
-    kw.setdefault("selector_top_k", 8)
-    return write_dflash2_drafter(tmp_path / name, target_config=_cfg(target), **kw)
+    return small_dflash2(tmp_path / name, target, **kw)
 
 
 def _greedy(sess, prompts, max_tokens=20):
-    params = dflash.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in sess.generate(prompts, params)]
+    return greedy_ids(sess, prompts, max_tokens)
+
+
+@pytest.fixture
+def target(tiny_model_dirs):
+    return tiny_model_dirs["llama_gqa"]
 
 
 @pytest.mark.parametrize("geometry", [

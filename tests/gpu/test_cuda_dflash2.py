@@ -2,22 +2,23 @@
 #
 # DFlash2 on the CUDA backend. Kernels (grouped conv, bf16 scale, edge scores) against short
 # torch references over odd sizes; whole drafters (published layout too: sliding layers with
-# is_causal false) in CUDA graphs: greedy speculative output equals target greedy on the GPU
+# is_causal false) in CUDA graphs, with the exact and the FP8 candidate head: greedy speculative
+# output equals target greedy on the GPU
 # (or diverges only where the fp32 top-2 gap is within the bf16 tolerance), graphs equal eager,
 # the candidates / edges / walk of propose_details agree with the CPU backend and with each
 # other, chi-squared exactness of the K-candidate proposal and of probabilistic DFlash (v1)
 # drafts on the GPU, no leaked KV blocks, and refusals of geometries beyond the kernels' limits.
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 
 import dflash
 from dflash import _core
-from dflash.drafter_format import write_dflash2_drafter, write_dflash_drafter
+from dflash.drafter_format import write_dflash_drafter
 from tests.gpu.gpu_helpers import kernel_ops, torch
+from tests.runtime_helpers import greedy_ids, small_dflash2, target_config
 
 pytestmark = pytest.mark.skipif(not _core.cuda_usable(), reason="needs the CUDA backend and a Hopper GPU")
 
@@ -26,7 +27,17 @@ PROMPTS = [[17, 42, 99, 7, 250, 31], [5, 6, 7, 8], list(range(40, 70)), [300, 2,
 
 
 def _cfg(target):
-    return json.loads((target / "config.json").read_text())
+    return target_config(target)
+
+
+def _dflash2(tmp_path, target, name="d2", **kw):
+    kw.setdefault("conv_group_size", 16)
+    kw.setdefault("selector_rank", 16)
+    return small_dflash2(tmp_path / name, target, **kw)
+
+
+def _greedy(sess, prompts, max_tokens=24):
+    return greedy_ids(sess, prompts, max_tokens)
 
 
 def _bf16(*shape, seed, scale=1.0):
@@ -136,21 +147,6 @@ def test_edge_scores(reqs, slots, k, rank, vocab):
 # Whole drafters
 
 
-def _dflash2(tmp_path, target, name="d2", **kw):
-    kw.setdefault("num_layers", 1)
-    kw.setdefault("target_layer_ids", [0, 1])
-    kw.setdefault("block_size", 4)
-    kw.setdefault("conv_group_size", 16)
-    kw.setdefault("selector_rank", 16)
-    kw.setdefault("selector_top_k", 8)
-    return write_dflash2_drafter(tmp_path / name, target_config=_cfg(target), **kw)
-
-
-def _greedy(sess, prompts, max_tokens=24):
-    params = dflash.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in sess.generate(prompts, params)]
-
-
 GEOMETRIES = [
     ("llama_hd64", dict(block_size=4, conv_kernel_size=2, conv_group_size=16, selector_top_k=8)),
     ("llama_hd64", dict(block_size=8, conv_kernel_size=3, conv_group_size=8, selector_top_k=32, output_multiplier=0.5,
@@ -162,23 +158,24 @@ GEOMETRIES = [
 ]
 
 
+@pytest.mark.parametrize("draft_head", ["exact", "fp8"])
 @pytest.mark.parametrize("preset,geometry", GEOMETRIES)
-def test_greedy_speculative_equals_target_greedy_on_gpu(tmp_path, tiny_model_dirs, preset, geometry):
+def test_greedy_speculative_equals_target_greedy_on_gpu(tmp_path, tiny_model_dirs, preset, geometry, draft_head):
     from tests.gpu.test_cuda_models import TOL_FACTOR, _check_greedy, bf16_floor
 
     target = tiny_model_dirs[preset]
     d = _dflash2(tmp_path, target, **geometry)
-    spec = dflash.Session(target, draft=d, device="cuda")
-    eager = dflash.Session(target, draft=d, device="cuda", cuda_graphs=False)
+    spec = dflash.Session(target, draft=d, device="cuda", draft_head=draft_head)
+    eager = dflash.Session(target, draft=d, device="cuda", cuda_graphs=False, draft_head=draft_head)
     ar = dflash.Session(target, device="cuda")
     cpu = dflash.Session(target, device="cpu", num_threads=2)
     got, want = _greedy(spec, PROMPTS), _greedy(ar, PROMPTS)
     floor = bf16_floor(preset, tiny_model_dirs, cpu)
     for p, g, w in zip(PROMPTS, got, want):
-        _check_greedy(cpu, p, g, w, f"{preset} dflash2(cuda) vs ar(cuda)", TOL_FACTOR * floor)
+        _check_greedy(cpu, p, g, w, f"{preset} dflash2 {draft_head} head (cuda) vs ar(cuda)", TOL_FACTOR * floor)
     alone = [_greedy(spec, [p])[0] for p in PROMPTS]
     for p, a, w in zip(PROMPTS, alone, want):
-        _check_greedy(cpu, p, a, w, f"{preset} dflash2(cuda) alone vs ar(cuda)", TOL_FACTOR * floor)
+        _check_greedy(cpu, p, a, w, f"{preset} dflash2 {draft_head} head (cuda) alone vs ar(cuda)", TOL_FACTOR * floor)
     assert _greedy(eager, PROMPTS) == got  # graph replay == eager
     st = spec.stats()
     assert st["graph_steps"] > 0 and st["eager_steps"] == 0
@@ -224,51 +221,45 @@ def test_propose_details_on_gpu_match_cpu_and_are_consistent(tmp_path, tiny_mode
 N = 2000
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_k_candidate_sampling_is_exact_on_gpu(tmp_path, tiny_model_dirs, top_p):
+def _assert_exact_sampling(spec, target, top_p, label):
+    """The token sampled after a forced first token through the speculative step (its first draft
+    goes through acceptance) follows the GPU target's distribution (chi-squared over N seeds), at
+    T = 1.5 (a flat enough target: several tokens under top-p), with both branches of the
+    rejection sampler exercised."""
     from tests.runtime_helpers import assert_no_leaks, sampled_second_tokens
     from tests.test_dflash_sampling import _chi2_ok, _target_probs
 
-    target = tiny_model_dirs["llama_hd64"]
-    # K = 64 of a tiny vocabulary and nearly flat scores, so drafts are accepted often enough that
-    # both branches of the rejection sampler run.
-    d = _dflash2(tmp_path, target, block_size=4, selector_top_k=64, seed=5, init_std=0.02, output_multiplier=1e-3)
-    spec = dflash.Session(target, draft=d, device="cuda")
     ar = dflash.Session(target, device="cuda")  # the distribution the GPU target defines
-    prompt, first, T = [17, 42, 99, 7, 250, 31], 120, 1.5  # a flat enough target: several tokens under top-p
+    prompt, first, T = [17, 42, 99, 7, 250, 31], 120, 1.5
     probs = _target_probs(ar, prompt, first, T, top_p)
     results = sampled_second_tokens(spec, prompt, first, temperature=T, top_p=top_p, num_seeds=N)
     second = np.array([r.token_ids[1] for r in results])
     chi2, dof, ok = _chi2_ok(second, probs)
     accepted = sum(r.metrics.num_accepted > 0 for r in results)
-    print(f"GPU DFlash2 top_p={top_p}: chi2={chi2:.1f} dof={dof} first drafts accepted {accepted} / {N}")
+    print(f"GPU {label} top_p={top_p}: chi2={chi2:.1f} dof={dof} first drafts accepted {accepted} / {N}")
     assert ok, (chi2, dof)
     assert dof >= (3 if top_p == 1.0 else 1)  # a distribution, not one certain token
     assert accepted >= 10
     assert_no_leaks(spec)
+
+
+@pytest.mark.parametrize("draft_head", ["exact", "fp8"])
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_k_candidate_sampling_is_exact_on_gpu(tmp_path, tiny_model_dirs, top_p, draft_head):
+    target = tiny_model_dirs["llama_hd64"]
+    # K = 64 of a tiny vocabulary and nearly flat scores, so drafts are accepted often enough.
+    d = _dflash2(tmp_path, target, block_size=4, selector_top_k=64, seed=5, init_std=0.02, output_multiplier=1e-3)
+    spec = dflash.Session(target, draft=d, device="cuda", draft_head=draft_head)
+    _assert_exact_sampling(spec, target, top_p, f"DFlash2 {draft_head} head")
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_probabilistic_dflash_drafts_are_exact_on_gpu(tmp_path, tiny_model_dirs, top_p):
-    from tests.runtime_helpers import assert_no_leaks, sampled_second_tokens
-    from tests.test_dflash_sampling import _chi2_ok, _target_probs
-
     target = tiny_model_dirs["llama_hd64"]
     d1 = write_dflash_drafter(tmp_path / "d1", target_config=_cfg(target), num_layers=1, target_layer_ids=[0, 1],
                               block_size=4, init_std=0.02)
     spec = dflash.Session(target, draft=d1, device="cuda", draft_sampling="probabilistic")
-    ar = dflash.Session(target, device="cuda")
-    prompt, first, T = [17, 42, 99, 7, 250, 31], 120, 1.5  # a flat enough target: several tokens under top-p
-    probs = _target_probs(ar, prompt, first, T, top_p)
-    results = sampled_second_tokens(spec, prompt, first, temperature=T, top_p=top_p, num_seeds=N)
-    second = np.array([r.token_ids[1] for r in results])
-    chi2, dof, ok = _chi2_ok(second, probs)
-    accepted = sum(r.metrics.num_accepted > 0 for r in results)
-    print(f"GPU probabilistic DFlash top_p={top_p}: chi2={chi2:.1f} dof={dof} accepted {accepted} / {N}")
-    assert ok, (chi2, dof)
-    assert dof >= (3 if top_p == 1.0 else 1)  # a distribution, not one certain token
-    assert accepted >= 10
-    assert_no_leaks(spec)
+    _assert_exact_sampling(spec, target, top_p, "probabilistic DFlash")
 
 
 def test_seeded_sampling_on_gpu_is_reproducible(tmp_path, tiny_model_dirs):
