@@ -172,7 +172,8 @@ _TRAIN_FIELDS = (
     "max_seq_len", "steps", "epochs", "batch_size", "lr", "weight_decay", "warmup_ratio", "min_lr_ratio",
     "grad_clip", "seed", "target_dtype", "device", "max_minutes", "reserve_seconds", "save_every", "log_every",
     "eval_every", "export_dtype", "attention", "holdout", "warmup_steps", "plan_minutes", "group_batches",
-    "sdpa_group_blocks", "amp", "state_format", "state_part_mib",
+    "sdpa_group_blocks", "amp", "state_format", "state_part_mib", "arch", "selector_top_k", "selector_rank",
+    "conv_group_size", "conv_kernel_size", "selector_alpha",
 )
 
 
@@ -278,6 +279,14 @@ def _add_train_parser(sub: Any) -> None:
     d.add_argument("--gen-gpu-memory", type=float, default=None, help="gpu_memory_utilization while generating")
     d.add_argument("--data-only", action="store_true", help="build the data set, do not train")
     m = t.add_argument_group("drafter")
+    m.add_argument("--arch", help="drafter architecture: dflash (default) or dflash2 (grouped dynamic convs + "
+                                   "candidate selector; a DFlash --init-from warm-starts its backbone)")
+    m.add_argument("--selector-top-k", type=int, help="dflash2: candidates per slot K (default 16)")
+    m.add_argument("--selector-rank", type=int, help="dflash2: selector rank r (default 256)")
+    m.add_argument("--conv-group-size", type=int,
+                   help="dflash2: channels per dynamic conv correction (default 16; must divide the hidden size)")
+    m.add_argument("--conv-kernel-size", type=int, help="dflash2: conv taps (default 2)")
+    m.add_argument("--selector-alpha", type=float, help="dflash2: weight of the selector loss (default 1)")
     m.add_argument("--num-layers", type=int)
     m.add_argument("--block-size", type=int)
     m.add_argument("--target-layer-ids", nargs="+", help="tapped target layers, e.g. 1 8 14 20 27")

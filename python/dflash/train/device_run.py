@@ -216,6 +216,9 @@ def _train_options(args: argparse.Namespace, target: str, run_dir: Path, data: P
         "state_format": args.state_format, "state_part_mib": args.state_part_mib, "export_dtype": "bfloat16",
         "save_every": args.save_every, "log_every": args.log_every, "eval_every": args.eval_every,
         "reserve_seconds": args.reserve_seconds, "amp": args.amp, "init_from": args.init_from,
+        "arch": args.arch, "selector_top_k": args.selector_top_k, "selector_rank": args.selector_rank,
+        "conv_group_size": args.conv_group_size, "conv_kernel_size": args.conv_kernel_size,
+        "selector_alpha": args.selector_alpha,
     }
     if args.steps:
         opts["steps"] = args.steps
@@ -500,6 +503,12 @@ def build_parser() -> argparse.ArgumentParser:
     t = r.add_argument_group("training (one set of flags; resuming, only run-control flags may change)")
     t.add_argument("--init-from", help="warm start: a published drafter dir (its shape, taps, block and mask "
                    "replace the shape flags); ignored when the run resumes from a checkpoint")
+    t.add_argument("--arch", choices=["dflash", "dflash2"], help="drafter architecture (default dflash)")
+    t.add_argument("--selector-top-k", type=int, help="dflash2: candidates per slot (default 16)")
+    t.add_argument("--selector-rank", type=int, help="dflash2: selector rank (default 256)")
+    t.add_argument("--conv-group-size", type=int, help="dflash2: channels per conv correction (default 16)")
+    t.add_argument("--conv-kernel-size", type=int, help="dflash2: conv taps (default 2)")
+    t.add_argument("--selector-alpha", type=float, help="dflash2: selector loss weight (default 1)")
     t.add_argument("--num-layers", type=int, default=2)
     t.add_argument("--block-size", type=int, default=8)
     t.add_argument("--target-layer-ids", default=SMOLLM2_TAPS, help="comma-separated; '' = the default rule")

@@ -65,6 +65,12 @@ class DrafterConfig:
     target_hidden_size: int = 0
     vocab_size: int = 0
     max_position_embeddings: int = 40960
+    # DFlash2 (dflash2_model.py; ignored by a DFlash drafter): "dflash" | "dflash2"
+    arch: str = "dflash"
+    conv_kernel_size: int = 2  # conv taps T
+    conv_group_size: int = 16  # channels per dynamic correction g (G = H / g corrections per tap)
+    selector_rank: int = 256  # r
+    selector_top_k: int = 16  # K candidates per slot
 
     @property
     def fc_in_features(self) -> int:
@@ -85,6 +91,19 @@ class DrafterConfig:
             raise ValueError("the drafter's hidden size must equal the target's (shared embedding and LM head)")
         if self.vocab_size and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
+        if self.arch not in ("dflash", "dflash2"):
+            raise ValueError(f"unknown drafter architecture {self.arch!r}: use dflash or dflash2")
+        if self.arch == "dflash2":
+            if self.conv_kernel_size < 1 or self.conv_kernel_size > self.block_size:
+                raise ValueError(f"conv taps must be in [1, block_size {self.block_size}], got {self.conv_kernel_size}")
+            if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+                raise ValueError(f"conv group size {self.conv_group_size} does not divide the hidden size "
+                                 f"{self.hidden_size}; pick a divisor of {self.hidden_size}")
+            if self.selector_rank < 1:
+                raise ValueError(f"selector rank must be >= 1, got {self.selector_rank}")
+            if self.vocab_size and not 1 <= self.selector_top_k < self.vocab_size:
+                raise ValueError(f"selector top-K must be in [1, vocab size {self.vocab_size}), "
+                                 f"got {self.selector_top_k}")
 
     @classmethod
     def from_target(
@@ -142,6 +161,15 @@ class DrafterConfig:
             target_hidden_size=int(target_config["hidden_size"]), vocab_size=int(target_config["vocab_size"]),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 40960),
         )
+        if "DFlash2DraftModel" in (cfg.get("architectures") or []):
+            if cfg.get("is_causal") or any(dcfg.get(k) not in (None, 1, 1.0) for k in
+                                           ("output_multiplier", "input_embedding_scale")) \
+                    or dcfg.get("final_logit_softcapping"):
+                raise ValueError("the trainer supports DFlash2 drafters without is_causal, output_multiplier, "
+                                 "final_logit_softcapping and input_embedding_scale only")
+            out.arch = "dflash2"
+            for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+                setattr(out, k, int(dcfg.get(k, cfg.get(k))))
         out.validate()
         return out
 

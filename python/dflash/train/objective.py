@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "Batch", "collate", "default_gamma", "position_weights", "target_features", "sample_anchors",
-    "eval_anchors", "build_blocks", "dflash_loss",
+    "eval_anchors", "build_blocks", "dflash_loss", "unary_terms", "UnaryTerms",
 ]
 
 IGNORE = -100
@@ -164,10 +164,31 @@ def build_blocks(batch: Batch, anchors: torch.Tensor, keep: torch.Tensor, block_
     return {"block_ids": block_ids, "block_pos": pos, "ctx_mask": ctx_mask, "labels": labels, "weights": weights}
 
 
-def _ce_rows(h: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _ce_rows(h: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             top_k: int = 0) -> tuple[torch.Tensor, ...]:
+    """Per-row CE and argmax of the LM head on h; with top_k > 0 also the top-K logits and
+    ids (largest first, lower id first among ties) and the label's logit (DFlash2 selector)."""
     logits = F.linear(h, weight, bias).float()
-    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(dim=-1)
+    ce, pred = F.cross_entropy(logits, labels, reduction="none"), logits.argmax(dim=-1)
+    if top_k <= 0:
+        return ce, pred
+    values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+    return ce, pred, values[:, :top_k], ids[:, :top_k], logits.gather(1, labels[:, None])[:, 0]
+
+
+@dataclass
+class UnaryTerms:
+    """What the DFlash (unary) loss computed on one batch, for an extra loss term on top."""
+
+    loss: torch.Tensor  # weighted CE over the supervised rows
+    stats: dict[str, Any]
+    blocks: dict[str, torch.Tensor]  # build_blocks' output
+    supervised: torch.Tensor  # [b, N, B] bool: rows with a label
+    rows: torch.Tensor  # [n, H] final-normed drafter states of the supervised rows
+    weights: torch.Tensor  # [n] position weights
+    top_values: torch.Tensor | None = None  # [n, K] unary top-K logits (top_k > 0)
+    top_ids: torch.Tensor | None = None  # [n, K]
+    label_logit: torch.Tensor | None = None  # [n] the label's unary logit
 
 
 def dflash_loss(
@@ -187,6 +208,23 @@ def dflash_loss(
     the weighted loss numerator/denominator, the number of kept blocks and the summed
     teacher-forced accepted length (1 + leading correct drafts, over kept blocks).
     """
+    t = unary_terms(drafter, target_model, batch, anchors, keep, gamma=gamma, chunk_rows=chunk_rows, feats=feats)
+    return t.loss, t.stats
+
+
+def unary_terms(
+    drafter: Any,
+    target_model: Any,
+    batch: Batch,
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    gamma: float | None,
+    chunk_rows: int = 8192,
+    feats: torch.Tensor | None = None,
+    top_k: int = 0,
+) -> UnaryTerms:
+    """dflash_loss with its intermediate rows (and, with top_k > 0, the unary top-K per row)."""
     cfg = drafter.config
     bs = cfg.block_size
     if feats is None:
@@ -197,14 +235,18 @@ def dflash_loss(
     h = drafter(blocks["block_ids"], blocks["block_pos"], feats, ctx_pos, blocks["ctx_mask"])
     sel = blocks["labels"] != IGNORE
     rows, labels, w = h[sel], blocks["labels"][sel], blocks["weights"][sel]
-    ce_parts, pred_parts = [], []
+    parts: list[tuple[torch.Tensor, ...]] = []
     for i in range(0, rows.shape[0], max(1, int(chunk_rows))):
-        args = (rows[i:i + chunk_rows], labels[i:i + chunk_rows], drafter.lm_head_weight, drafter.lm_head_bias)
-        ce, pred = checkpoint(_ce_rows, *args, use_reentrant=False) if rows.requires_grad else _ce_rows(*args)
-        ce_parts.append(ce)
-        pred_parts.append(pred)
-    ce = torch.cat(ce_parts) if ce_parts else rows.new_zeros(0)
-    pred = torch.cat(pred_parts) if pred_parts else labels.new_zeros(0)
+        args = (rows[i:i + chunk_rows], labels[i:i + chunk_rows], drafter.lm_head_weight, drafter.lm_head_bias,
+                int(top_k))
+        parts.append(checkpoint(_ce_rows, *args, use_reentrant=False) if rows.requires_grad else _ce_rows(*args))
+    if parts:
+        cols = [torch.cat(c) for c in zip(*parts)]
+    else:
+        cols = [rows.new_zeros(0), labels.new_zeros(0)]
+        if top_k > 0:
+            cols += [rows.new_zeros(0, top_k), labels.new_zeros(0, top_k), rows.new_zeros(0)]
+    ce, pred = cols[0], cols[1]
     denom = w.sum()
     num = (w * ce).sum()
     loss = num / denom.clamp_min(1e-12)
@@ -225,4 +267,7 @@ def dflash_loss(
     }
     if not math.isfinite(stats["loss_num"]):
         stats["nonfinite"] = True
-    return loss, stats
+    out = UnaryTerms(loss, stats, blocks, sel, rows, w)
+    if top_k > 0:
+        out.top_values, out.top_ids, out.label_logit = cols[2], cols[3], cols[4]
+    return out

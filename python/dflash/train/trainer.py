@@ -49,7 +49,9 @@ import torch
 
 from dflash.train import state as ckpt
 from dflash.train.data import Sample, load_dataset, read_meta
-from dflash.train.model import DFlashDrafter, DrafterConfig, frozen_target_tensors
+from dflash.train.dflash2_model import build_drafter, export_dflash2, load_published_drafter
+from dflash.train.dflash2_objective import dflash2_loss
+from dflash.train.model import DFlashDrafter, DrafterConfig
 from dflash.train.objective import collate, default_gamma, dflash_loss, eval_anchors, sample_anchors
 
 __all__ = ["TrainConfig", "DataCursor", "lr_lambda", "resolve_config", "train", "evaluate", "probe_attention",
@@ -66,6 +68,7 @@ class TrainConfig:
     eval_data: str | None = None  # held-out rows (same format), teacher-forced metrics
     holdout: int = 0  # the last `holdout` indices of the data set: not trained on, evaluated (without eval_data)
     # drafter
+    arch: str = "dflash"  # "dflash" | "dflash2" (convs + candidate selector, training.md 3.4)
     num_layers: int = 5
     block_size: int = 8
     target_layer_ids: list[int] | None = None  # default: build_target_layer_ids(T, num_layers)
@@ -76,6 +79,12 @@ class TrainConfig:
     intermediate_size: int | None = None
     init_from: str | None = None  # a published drafter directory (warm start)
     init_std: float = 0.02
+    # DFlash2 (arch "dflash2"; the published defaults)
+    selector_top_k: int = 16  # K candidates per slot
+    selector_rank: int = 256  # r
+    conv_group_size: int = 16  # channels per dynamic correction; must divide the hidden size
+    conv_kernel_size: int = 2  # conv taps
+    selector_alpha: float = 1.0  # weight of the selector loss
     # objective
     gamma: float | None = None  # default by block size: 16->7, 10->5, 8->4, else B/2
     num_anchors: int = 512
@@ -332,10 +341,26 @@ def _autocast(device: torch.device, dtype: torch.dtype | None = torch.bfloat16) 
     return torch.autocast(device.type, dtype=dtype)
 
 
+_ARCHS = ("dflash", "dflash2")
+
+
+def _loss(drafter: DFlashDrafter, target: Any, batch: Any, anchors: torch.Tensor, keep: torch.Tensor,
+          cfg: TrainConfig, gamma: float | None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The objective of the drafter's architecture: DFlash, or DFlash + alpha * selector."""
+    if drafter.config.arch == "dflash2":
+        return dflash2_loss(drafter, target, batch, anchors, keep, gamma=gamma, alpha=cfg.selector_alpha,
+                            chunk_rows=cfg.ce_chunk_rows)
+    return dflash_loss(drafter, target, batch, anchors, keep, gamma=gamma, chunk_rows=cfg.ce_chunk_rows)
+
+
+_DFLASH2_SUMS = ("unary_num", "selector_num", "recall_hits", "selector_correct", "selector_rows")
+
+
 class _Window:
     """Statistics accumulated between two metric rows."""
 
     def __init__(self, block_size: int) -> None:
+        self.v2: dict[str, float] = {}
         self.num = self.den = self.al = 0.0
         self.blocks = self.tokens = self.supervised = self.steps = self.skipped = 0
         self.correct = [0] * (block_size - 1)
@@ -352,6 +377,9 @@ class _Window:
         self.supervised += st["supervised"]
         self.correct = [a + b for a, b in zip(self.correct, st["correct"])]
         self.total = [a + b for a, b in zip(self.total, st["total"])]
+        if "selector_num" in st:
+            for k in _DFLASH2_SUMS:
+                self.v2[k] = self.v2.get(k, 0.0) + st[k]
         self.steps += 1
         if grad_norm is None:
             self.skipped += 1
@@ -360,7 +388,14 @@ class _Window:
 
     def row(self) -> dict[str, Any]:
         dt = max(1e-9, time.monotonic() - self.t0)
-        return {
+        v2 = {}
+        if self.v2:  # DFlash2: "loss" is the total; "acc" is the UNARY head's accuracy (TorchSpec #177)
+            n = max(1.0, self.v2["selector_rows"])
+            v2 = {"unary_loss": self.v2["unary_num"] / max(self.den, 1e-12),
+                  "selector_loss": self.v2["selector_num"] / max(self.den, 1e-12),
+                  "unary_recall_at_k": self.v2["recall_hits"] / n, "selector_acc": self.v2["selector_correct"] / n,
+                  "acc_head": "unary"}
+        return v2 | {
             "loss": self.num / max(self.den, 1e-12),
             "acc": [round(c / t, 5) if t else None for c, t in zip(self.correct, self.total)],
             "sim_al": self.al / max(self.blocks, 1),
@@ -384,12 +419,12 @@ def evaluate(drafter: DFlashDrafter, target: Any, examples: list[tuple[list[int]
         batch = collate(examples[i:i + cfg.batch_size])
         anchors, keep = eval_anchors(batch, cfg.num_anchors)
         with _autocast(device, amp):
-            _, st = dflash_loss(drafter, target, batch.to(device), anchors, keep, gamma=gamma,
-                                chunk_rows=cfg.ce_chunk_rows)
+            _, st = _loss(drafter, target, batch.to(device), anchors, keep, cfg, gamma)
         w.add(st, 0.0)
     drafter.train(was_training)
     row = w.row()
-    return {k: row[k] for k in ("loss", "acc", "sim_al")} | {"rows": len(examples)}
+    keys = ("loss", "acc", "sim_al", "unary_loss", "selector_loss", "unary_recall_at_k", "selector_acc", "acc_head")
+    return {k: row[k] for k in keys if k in row} | {"rows": len(examples)}
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -423,8 +458,7 @@ def probe_attention(drafter: DFlashDrafter, target: Any, examples: list[tuple[li
                     _sync(device)
                     t0 = time.monotonic()
                 with _autocast(device, amp):
-                    loss, _ = dflash_loss(drafter, target, batch.to(device), anchors, keep, gamma=gamma,
-                                          chunk_rows=cfg.ce_chunk_rows)
+                    loss, _ = _loss(drafter, target, batch.to(device), anchors, keep, cfg, gamma)
                 loss.backward()
                 drafter.zero_grad(set_to_none=True)
             _sync(device)
@@ -467,6 +501,8 @@ def train(
     device = _device(cfg.device)
     if cfg.state_format not in ckpt.STATE_FORMATS:
         raise ValueError(f"state_format must be one of {ckpt.STATE_FORMATS}, got {cfg.state_format!r}")
+    if cfg.arch not in _ARCHS:
+        raise ValueError(f"unknown drafter architecture --arch {cfg.arch!r}: use one of {', '.join(_ARCHS)}")
     amp = _amp_dtype(cfg, device)
     torch.manual_seed(cfg.seed)
 
@@ -504,6 +540,11 @@ def train(
         if cfg.init_from:
             dcfg = DrafterConfig.from_drafter_json(
                 json.loads((Path(cfg.init_from) / "config.json").read_text(encoding="utf-8")), tcfg)
+            if dcfg.arch == "dflash2" and cfg.arch != "dflash2":
+                raise ValueError(f"--init-from {cfg.init_from} is a DFlash2 drafter: train it with --arch dflash2")
+            if dcfg.arch == "dflash2":  # a DFlash2 warm start keeps its own DFlash2 geometry
+                cfg.selector_top_k, cfg.selector_rank = dcfg.selector_top_k, dcfg.selector_rank
+                cfg.conv_group_size, cfg.conv_kernel_size = dcfg.conv_group_size, dcfg.conv_kernel_size
             cfg.num_layers, cfg.block_size = dcfg.num_layers, dcfg.block_size
             cfg.target_layer_ids, cfg.mask_token_id = dcfg.target_layer_ids, dcfg.mask_token_id
         else:
@@ -512,6 +553,10 @@ def train(
                 target_layer_ids=cfg.target_layer_ids, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size)
             cfg.target_layer_ids = dcfg.target_layer_ids
+        dcfg.arch = cfg.arch
+        dcfg.selector_top_k, dcfg.selector_rank = int(cfg.selector_top_k), int(cfg.selector_rank)
+        dcfg.conv_group_size, dcfg.conv_kernel_size = int(cfg.conv_group_size), int(cfg.conv_kernel_size)
+        dcfg.validate()
     if cfg.gamma is None:
         cfg.gamma = default_gamma(dcfg.block_size)
     hits = sum(ids.count(dcfg.mask_token_id) for ids, _ in examples.values())
@@ -519,9 +564,12 @@ def train(
         say(f"train: warning: the mask token {dcfg.mask_token_id} occurs {hits} times in the data; "
             "pick a --mask-token-id that never occurs")
     if cfg.init_from and state is None:
-        drafter = DFlashDrafter.from_published(cfg.init_from, target)
+        drafter = load_published_drafter(
+            cfg.init_from, target, dcfg.arch, seed=cfg.seed, std=cfg.init_std,
+            conv_kernel_size=dcfg.conv_kernel_size, conv_group_size=dcfg.conv_group_size,
+            selector_rank=dcfg.selector_rank, selector_top_k=dcfg.selector_top_k)
     else:
-        drafter = DFlashDrafter(dcfg, *frozen_target_tensors(target))
+        drafter = build_drafter(dcfg, target)
         drafter.reset_parameters(cfg.seed, std=cfg.init_std)
     drafter.to(device).train()
     names = [n for n, _ in drafter.named_parameters()]
@@ -569,8 +617,10 @@ def train(
             impl = min(times, key=lambda k: times[k])
     drafter.set_attention(impl, cfg.sdpa_group_blocks)
     shapes = {n: list(p.shape) for n, p in drafter.named_parameters()}
-    say(f"train: {len(examples)} rows (index space {n_space}, {len(eval_examples)} held out), drafter "
-        f"{dcfg.num_layers} layers / {n_params / 1e6:.2f}M params, block {dcfg.block_size}, taps "
+    v2 = (f" (dflash2: K {dcfg.selector_top_k}, rank {dcfg.selector_rank}, conv taps {dcfg.conv_kernel_size} "
+          f"group {dcfg.conv_group_size}, alpha {cfg.selector_alpha})" if dcfg.arch == "dflash2" else "")
+    say(f"train: {len(examples)} rows (index space {n_space}, {len(eval_examples)} held out), {dcfg.arch}{v2} "
+        f"drafter {dcfg.num_layers} layers / {n_params / 1e6:.2f}M params, block {dcfg.block_size}, taps "
         f"{dcfg.target_layer_ids}, mask {dcfg.mask_token_id}, gamma {cfg.gamma}, {total} steps x {cfg.batch_size} "
         f"seqs on {device} ({drafter.attn_impl} attention, amp {amp}); state {cfg.state_format} "
         f"~{ckpt.state_bytes_estimate(shapes, cfg.state_format) / 2**20:.1f} MiB")
@@ -615,8 +665,7 @@ def train(
             batch = collate([examples[i] for i in cursor.next_batch()])
             anchors, keep = sample_anchors(batch, cfg.num_anchors, anchor_gen)
             with _autocast(device, amp):
-                loss, st = dflash_loss(drafter, target, batch.to(device), anchors, keep, gamma=cfg.gamma,
-                                       chunk_rows=cfg.ce_chunk_rows)
+                loss, st = _loss(drafter, target, batch.to(device), anchors, keep, cfg, cfg.gamma)
             opt.zero_grad(set_to_none=True)
             grad_norm: float | None = None
             if torch.isfinite(loss):
@@ -648,7 +697,9 @@ def train(
                        **window.row(), "elapsed_s": round(time.monotonic() - t_start, 2)}
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
-                say(f"step {step}/{total} loss {row['loss']:.4f} acc1 {row['acc'][0]} sim_al {row['sim_al']:.2f} "
+                sel = (f" selector_loss {row['selector_loss']:.4f} recall@K {row['unary_recall_at_k']:.3f} "
+                       f"selector_acc {row['selector_acc']:.3f}" if "selector_loss" in row else "")
+                say(f"step {step}/{total} loss {row['loss']:.4f}{sel} acc1 {row['acc'][0]} sim_al {row['sim_al']:.2f} "
                     f"lr {row['lr']:.2e} {row['step_s']:.3f} s/step {row['tokens_per_s']:.0f} tok/s")
                 window = _Window(dcfg.block_size)
             if cfg.save_every and step % cfg.save_every == 0 and step < total:
@@ -692,6 +743,8 @@ def export_from_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLi
         raise ValueError(f"{ckpt_dir}: the checkpoint holds no target config; pass the target's config.json")
     c = DrafterConfig.from_dict(st["drafter_config"])
     weights = {k: v.detach().float().cpu().numpy() for k, v in st["model"].items()}
+    if c.arch == "dflash2":
+        return export_dflash2(out_dir, c, weights, tc, dtype)
     return write_dflash_drafter(
         out_dir, target_config=tc, num_layers=c.num_layers, target_layer_ids=c.target_layer_ids,
         block_size=c.block_size, mask_token_id=c.mask_token_id, hidden_size=c.hidden_size, num_heads=c.num_heads,

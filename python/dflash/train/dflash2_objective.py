@@ -1,0 +1,78 @@
+# python/dflash/train/dflash2_objective.py
+#
+# The DFlash2 training objective (training.md 3.4): the DFlash loss of
+# objective.py (the unary term) + alpha * the candidate-selector loss.
+#
+# For every supervised slot k >= 1 of every anchor block:
+#   * candidates: the top-K of the unary logits (the target LM head on the drafter's
+#     final-normed state, largest first, lower id first among ties, as the runtime);
+#   * predecessor: teacher-forced, the true previous token (the anchor for k = 1);
+#   * scores: unary[c] + <A[pred] * Hproj h, B[c]> (DFlash2Drafter.candidate_selector);
+#   * K-way cross-entropy against the index of the true token among the candidates;
+#     when the true token is not in the top-K it replaces the weakest candidate
+#     (slot K-1, with its own unary logit) for the loss only (speculators' rule) and
+#     the miss counts against recall;
+#   * the same position weights as the unary term, normalised by the same sum.
+# Statistics (besides the DFlash ones): unary recall@K (true token in the unary top-K),
+# teacher-forced selector accuracy (argmax of the K scores is the true token, with the
+# injection), the unary and selector loss numerators.  Target mass@K is not computed:
+# the trainer holds the target's tapped features, not its logits at every position
+# (the data's responses are the target's own greedy tokens, so recall@K of the true
+# token is the available measure).
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dflash.train.objective import Batch, unary_terms
+
+__all__ = ["dflash2_loss"]
+
+
+def dflash2_loss(
+    drafter: Any,
+    target_model: Any,
+    batch: Batch,
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    gamma: float | None,
+    alpha: float = 1.0,
+    chunk_rows: int = 8192,
+    feats: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """(unary loss + alpha * selector loss, stats); stats["loss_num"] is the total's numerator."""
+    k = int(drafter.config.selector_top_k)
+    t = unary_terms(drafter, target_model, batch, anchors, keep, gamma=gamma, chunk_rows=chunk_rows, feats=feats,
+                    top_k=k)
+    labels_full, block_ids = t.blocks["labels"], t.blocks["block_ids"]
+    anchor = block_ids[..., :1]  # slot k's predecessor: the anchor for k = 1, the true x[a+k-1] after
+    prev_full = torch.cat((anchor, anchor, labels_full[..., 1:-1]), dim=-1)  # (slot 0 has no label)
+    labels, prev = labels_full[t.supervised], prev_full[t.supervised]
+    assert t.top_ids is not None and t.top_values is not None and t.label_logit is not None
+    hit = t.top_ids == labels[:, None]
+    recalled = hit.any(dim=-1)
+    index = torch.where(recalled, hit.long().argmax(dim=-1), torch.full_like(labels, k - 1))
+    cand = t.top_ids.clone()
+    cand[:, k - 1] = torch.where(recalled, cand[:, k - 1], labels)
+    last = torch.where(recalled, t.top_values[:, k - 1], t.label_logit)
+    unary = torch.cat((t.top_values[:, : k - 1], last[:, None]), dim=1)
+    scores = drafter.candidate_selector.scores(t.rows, prev, cand, unary)
+    ce = F.cross_entropy(scores, index, reduction="none")
+    sel_num = (t.weights * ce).sum()
+    den = t.weights.sum()
+    loss = t.loss + float(alpha) * sel_num / den.clamp_min(1e-12)
+    st = t.stats
+    st["unary_num"] = st["loss_num"]
+    st["selector_num"] = float(sel_num.detach())
+    st["loss_num"] = st["unary_num"] + float(alpha) * st["selector_num"]
+    with torch.no_grad():
+        st["recall_hits"] = int(recalled.sum())
+        st["selector_correct"] = int((scores.argmax(dim=-1) == index).sum())
+        st["selector_rows"] = int(labels.numel())
+    if not math.isfinite(st["loss_num"]):
+        st["nonfinite"] = True
+    return loss, st

@@ -1,0 +1,150 @@
+# tests/test_train_dflash2.py
+#
+# `dflash train --arch dflash2` on the CPU with the tiny Qwen3 target and the data
+# set of tests/test_train.py (its fixtures and helpers are imported, not copied):
+# - a fresh DFlash2 (identity init) is exactly its DFlash backbone (same unary
+#   logits) and its selector scores equal the unary logits (B = 0);
+# - a short run lowers the total and the selector loss, moves every new parameter
+#   off its init, and the export loads in the runtime: Session.propose_details
+#   equals the trainer model's own forward (candidates equal, unary / edges within
+#   1e-4) and the plain-PyTorch reference (tests/reference/dflash2_reference.py);
+# - resume is exact (N steps == N/2 + --resume N/2);
+# - a warm start from a DFlash drafter drafts exactly what that drafter drafts, one
+#   from a DFlash2 export loads everything;
+# - refusals: group not dividing hidden, K >= vocab, unknown --arch.
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dflash
+from dflash.drafter_format import write_dflash_drafter
+from dflash.train import data as D
+from dflash.train import trainer as T
+from dflash.train.dflash2_model import DFlash2Drafter, is_dflash2_parameter
+from dflash.train.model import DFlashDrafter, DrafterConfig, frozen_target_tensors
+from tests.reference import dflash2_reference as R2
+from tests.test_train import _config, _losses, _small_config, dataset, target  # noqa: F401  (fixtures)
+
+V2 = dict(arch="dflash2", selector_rank=32, selector_top_k=8, conv_group_size=16, conv_kernel_size=2)
+
+
+def _v2_config(target, out, data, **kw):
+    return _small_config(target, out, data, **{**V2, **kw})
+
+
+def test_identity_init_is_the_dflash_backbone(target, dataset, hf_model):
+    tm = hf_model(target)
+    base = DrafterConfig.from_target(_config(target), num_layers=2, block_size=4, mask_token_id=352,
+                                     target_layer_ids=[0, 1])
+    v1 = DFlashDrafter(base, *frozen_target_tensors(tm))
+    v1.reset_parameters(3)
+    cfg2 = DrafterConfig.from_dict({**base.to_dict(), "arch": "dflash2", "selector_rank": 32, "selector_top_k": 8})
+    v2 = DFlash2Drafter(cfg2, *frozen_target_tensors(tm))
+    v2.reset_parameters(3)
+    s1, s2 = v1.state_dict(), v2.state_dict()
+    assert set(s2) - set(s1) == {k for k in s2 if is_dflash2_parameter(k)}
+    assert all(torch.equal(s1[k], s2[k]) for k in s1)  # the backbone is drawn exactly as DFlash draws it
+    prompt = D.load_dataset(dataset)[0].prompt_ids
+    ids1, logits1 = v1.propose(tm, prompt)
+    ids2, logits2 = v2.propose(tm, prompt)
+    assert torch.equal(logits1, logits2) and torch.equal(ids1, ids2)
+    det = v2.propose_details(tm, prompt)
+    assert torch.equal(det["edges"], det["unary"][:, None, :].expand_as(det["edges"]))  # B = 0: a no-op
+    assert torch.equal(det["draft_ids"], ids1)
+
+
+@pytest.fixture(scope="module")
+def trained(target, dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dflash2_run")
+    small = out / "small.jsonl"
+    D.save_dataset(small, D.load_dataset(dataset)[:8])
+    res = T.train(_v2_config(target, out / "run", small, steps=24), log=None)
+    return out / "run", res
+
+
+def test_training_lowers_losses_and_export_matches_runtime(target, dataset, hf_model, trained):
+    import json
+
+    run, res = trained
+    assert res["stopped"] == "done" and res["step"] == 24
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    losses, sel = [r["loss"] for r in rows], [r["selector_loss"] for r in rows]
+    assert np.mean(losses[-3:]) < 0.5 * losses[0] and np.mean(sel[-3:]) < 0.7 * sel[0]
+    assert rows[0]["acc_head"] == "unary" and all(0.0 <= r["unary_recall_at_k"] <= 1.0 for r in rows)
+    assert rows[-1]["unary_recall_at_k"] > rows[0]["unary_recall_at_k"]
+    model, tm = res["model"], hf_model(target)
+    sd = model.state_dict()
+    assert sd["candidate_selector.successor_codebook"].abs().max() > 0
+    for i in range(2):
+        for conv in ("attention_conv", "mlp_conv"):
+            assert sd[f"layers.{i}.{conv}.kernel_projection.weight"].abs().max() > 0
+            assert sd[f"layers.{i}.{conv}.base_kernel"][:, 1].abs().max() > 0
+
+    exported = run / "drafter"
+    cfg = json.loads((exported / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["selector_top_k"] == 8
+    sess = dflash.Session(target, draft=exported, device="cpu", num_threads=2)
+    ref = R2.load_drafter2(exported)
+    for s in D.load_dataset(dataset)[8:11]:
+        got = sess.propose_details(s.prompt_ids)
+        mine = model.propose_details(tm, s.prompt_ids)
+        assert got["candidate_ids"].tolist() == mine["candidate_ids"].tolist()
+        assert np.max(np.abs(np.asarray(got["unary"]).reshape(mine["unary"].shape) - mine["unary"].numpy())) <= 1e-4
+        assert np.max(np.abs(got["edges"] - mine["edges"].numpy())) <= 1e-4
+        assert got["draft_ids"].tolist() == mine["draft_ids"].tolist()
+        r = R2.propose2_ref(tm, ref, s.prompt_ids)
+        assert r.candidate_ids.tolist() == mine["candidate_ids"].tolist()
+        assert torch.max(torch.abs(r.edges - mine["edges"])) <= 1e-4
+    # the trained drafter is a valid speculative drafter: lossless greedy output
+    plain = dflash.Session(target, device="cpu", num_threads=2)
+    p = dflash.SamplingParams(max_tokens=16)
+    prompt = D.load_dataset(dataset)[0].prompt_ids
+    assert sess.generate([prompt], p)[0].token_ids == plain.generate([prompt], p)[0].token_ids
+    # a warm start from a DFlash2 export loads everything
+    again = DFlash2Drafter.from_published(exported, tm)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in sd.items())
+
+
+def test_resume_is_exact(target, dataset, tmp_path):
+    kw = dict(steps=4, batch_size=4, num_anchors=8)
+    straight = T.train(_v2_config(target, tmp_path / "a", dataset, **kw), log=None)
+    first = T.train(_v2_config(target, tmp_path / "b", dataset, **kw), log=None, stop_after_steps=2)
+    assert first["step"] == 2
+    with pytest.raises(ValueError, match="differs"):
+        T.train(_v2_config(target, tmp_path / "b", dataset, **{**kw, "selector_rank": 16}), resume=True, log=None)
+    second = T.train(_v2_config(target, tmp_path / "b", dataset, **kw), resume=True, log=None)
+    assert second["step"] == 4 and isinstance(second["model"], DFlash2Drafter)
+    assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
+    sa, sb = straight["model"].state_dict(), second["model"].state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    # the checkpoint exports as DFlash2 without the model object
+    out = T.export_from_checkpoint(tmp_path / "b" / "checkpoint", tmp_path / "exp", dtype="float32")
+    assert R2.load_drafter2(out).selector_rank == 32
+
+
+def test_warm_start_from_dflash_drafter(target, dataset, tmp_path):
+    src = write_dflash_drafter(tmp_path / "v1", target_config=_config(target), num_layers=2, block_size=4,
+                               target_layer_ids=[0, 1], mask_token_id=352, seed=5, init_std=0.1)
+    res = T.train(_v2_config(target, tmp_path / "run", dataset, init_from=str(src), steps=4), log=None,
+                  stop_after_steps=0)
+    assert res["step"] == 0 and isinstance(res["model"], DFlash2Drafter)
+    v1 = dflash.Session(target, draft=src, device="cpu", num_threads=2)
+    v2 = dflash.Session(target, draft=tmp_path / "run" / "drafter", device="cpu", num_threads=2)
+    for s in D.load_dataset(dataset)[:4]:
+        assert v2.propose(s.prompt_ids)[0].tolist() == v1.propose(s.prompt_ids)[0].tolist()
+    with pytest.raises(ValueError, match="arch dflash2"):  # a DFlash2 drafter cannot seed a DFlash run
+        T.train(_small_config(target, tmp_path / "x", dataset, init_from=str(tmp_path / "run" / "drafter")),
+                log=None)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(conv_group_size=24), "does not divide the hidden size"),
+    (dict(selector_top_k=359), "top-K"),
+    (dict(arch="dflash3"), "unknown drafter architecture"),
+])
+def test_refusals(target, dataset, tmp_path, bad, match):
+    with pytest.raises(ValueError, match=match):
+        T.train(_v2_config(target, tmp_path / "r", dataset, **bad), log=None)
