@@ -25,7 +25,7 @@ from dflash.train import trainer as T
 from dflash.train.dflash2_model import DFlash2Drafter, is_dflash2_parameter
 from dflash.train.model import DFlashDrafter, DrafterConfig, frozen_target_tensors
 from tests.reference import dflash2_reference as R2
-from tests.test_train import _config, _losses, _small_config, dataset, target  # noqa: F401  (fixtures)
+from tests.test_train import QUESTIONS, _config, _losses, _small_config, dataset, target  # noqa: F401  (fixtures)
 
 V2 = dict(arch="dflash2", selector_rank=32, selector_top_k=8, conv_group_size=16, conv_kernel_size=2)
 
@@ -148,3 +148,65 @@ def test_warm_start_from_dflash_drafter(target, dataset, tmp_path):
 def test_refusals(target, dataset, tmp_path, bad, match):
     with pytest.raises(ValueError, match=match):
         T.train(_v2_config(target, tmp_path / "r", dataset, **bad), log=None)
+
+
+def test_compact_state_bf16_sdpa_time_budget_and_eval(target, dataset, tmp_path):
+    """The CUDA-style paths on the CPU (bf16 autocast, grouped SDPA), a compact int8 state that
+    carries the DFlash2 parameters and arch across a resume, held-out evaluation with the
+    DFlash2 metrics, and a spent --max-minutes budget (no step, yet checkpoint + DFlash2 export)."""
+    import json
+
+    kw = dict(steps=3, batch_size=4, num_anchors=8, amp="bf16", attention="sdpa", sdpa_group_blocks=2,
+              state_format="int8", holdout=2)
+    first = T.train(_v2_config(target, tmp_path / "a", dataset, **kw), log=None, stop_after_steps=2)
+    assert first["step"] == 2 and set(first["eval"]) >= {"selector_loss", "unary_recall_at_k", "selector_acc"}
+    state = json.loads((tmp_path / "a" / "checkpoint" / "state.json").read_text())
+    assert "candidate_selector.successor_codebook" in state["param_names"]
+    assert state["payload"]["drafter_config"]["arch"] == "dflash2"
+    second = T.train({"out": str(tmp_path / "a"), "device": "cpu"}, resume=True, log=None)  # arch etc. from the state
+    assert second["step"] == 3 and isinstance(second["model"], DFlash2Drafter)
+    timed = T.train(_v2_config(target, tmp_path / "c", dataset, steps=3, max_minutes=1e-4, reserve_seconds=0.0),
+                    log=None)
+    assert timed["stopped"] == "time" and timed["step"] == 0
+    assert R2.load_drafter2(tmp_path / "c" / "drafter").selector_top_k == 8
+
+
+def test_cli_and_device_run_dflash2(target, dataset, tmp_path):
+    """`dflash train --arch dflash2` and `python -m dflash.train.device_run run --arch dflash2`
+    (a carried-state second call resumes it), then the driver's export of the state."""
+    import json
+
+    from dflash.cli import main
+    from dflash.train import device_run
+
+    args = ["train", "--target", str(target), "--out", str(tmp_path / "cli"), "--data", str(dataset), "--arch",
+            "dflash2", "--selector-top-k", "4", "--selector-rank", "8", "--conv-group-size", "32",
+            "--conv-kernel-size", "3", "--selector-alpha", "0.5", "--num-layers", "1", "--block-size", "4",
+            "--target-layer-ids", "0,1", "--steps", "2", "--batch-size", "4", "--num-anchors", "8", "--device",
+            "cpu", "-q"]
+    assert main(args) == 0
+    ref = R2.load_drafter2(tmp_path / "cli" / "drafter")
+    assert (ref.selector_top_k, ref.selector_rank, ref.conv_group_size, ref.conv_kernel_size) == (4, 8, 32, 3)
+    bad = ["train", "--target", str(target), "--out", str(tmp_path / "bad"), "--data", str(dataset), "--arch",
+           "dflash3", "--device", "cpu", "-q"]
+    assert main(bad) == 2  # "unknown drafter architecture"
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(QUESTIONS[:6]) + "\n", encoding="utf-8")
+    common = ["run", "--target", str(target), "--device", "cpu", "--threads", "2", "--minutes", "6",
+              "--prompts", str(prompts), "--self-prompts", "4", "--max-new-tokens", "16", "--arch", "dflash2",
+              "--selector-rank", "8", "--selector-top-k", "4", "--num-layers", "1", "--block-size", "4",
+              "--target-layer-ids", "0,1", "--steps", "4", "--batch-size", "2", "--num-anchors", "8",
+              "--holdout", "1", "--tau-prompts", "1", "--tau-max-tokens", "8", "--warmup-steps", "1"]
+    out1, out2 = tmp_path / "out1", tmp_path / "out2"
+    assert device_run.main(common + ["--work", str(tmp_path / "w1"), "--out", str(out1), "--return-data",
+                                     "--max-steps-here", "2"]) == 0
+    assert json.loads((out1 / "report.json").read_text())["train"]["step"] == 2
+    assert device_run.main(common + ["--work", str(tmp_path / "w2"), "--out", str(out2), "--state-in",
+                                     str(out1 / "state"), "--data-in", str(out1 / "data" / "data.npz.xz")]) == 0
+    assert json.loads((out2 / "report.json").read_text())["train"]["step"] == 4
+    exported = tmp_path / "exported"
+    assert device_run.main(["export", "--state", str(out2 / "state"), "--out", str(exported)]) == 0
+    assert R2.load_drafter2(exported).selector_rank == 8
+    sess = dflash.Session(target, draft=exported, device="cpu", num_threads=2)
+    assert sess.propose_details([5, 6, 7])["k"] == 4
