@@ -14,18 +14,21 @@
 # - refusals: group not dividing hidden, K >= vocab, unknown --arch.
 from __future__ import annotations
 
+import dflash
 import numpy as np
 import pytest
 import torch
-
-import dflash
 from dflash.drafter_format import write_dflash_drafter
 from dflash.train import data as D
 from dflash.train import trainer as T
 from dflash.train.dflash2_model import DFlash2Drafter, is_dflash2_parameter
 from dflash.train.model import DFlashDrafter, DrafterConfig, frozen_target_tensors
+
+from tests import test_train as TT
 from tests.reference import dflash2_reference as R2
-from tests.test_train import QUESTIONS, _config, _losses, _small_config, dataset, target  # noqa: F401  (fixtures)
+from tests.test_train import QUESTIONS, _config, _losses, _small_config
+
+target, dataset = TT.target, TT.dataset  # the fixtures of tests/test_train.py (module scope here too)
 
 V2 = dict(arch="dflash2", selector_rank=32, selector_top_k=8, conv_group_size=16, conv_kernel_size=2)
 

@@ -23,18 +23,31 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash.drafter_format import write_dflash2_drafter
-from dflash.train.model import DecoderLayer, DFlashDrafter, DrafterConfig, frozen_target_tensors
+from dflash.train.model import (
+    DecoderLayer,
+    DFlashDrafter,
+    DrafterConfig,
+    frozen_target_tensors,
+)
 
-__all__ = ["GroupedDynamicConv", "CandidateSelector", "DFlash2Drafter", "is_dflash2_parameter",
-           "build_drafter", "load_published_drafter"]
+__all__ = [
+    "CandidateSelector",
+    "DFlash2Drafter",
+    "GroupedDynamicConv",
+    "build_drafter",
+    "export_dflash2",
+    "is_dflash2_parameter",
+    "load_published_drafter",
+]
 
 
 def is_dflash2_parameter(name: str) -> bool:
@@ -158,7 +171,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     @classmethod
     def from_published(cls, draft_dir: str | Path, target_model: Any, *, seed: int = 0, std: float = 0.02,
-                       **dflash2_fields: Any) -> "DFlash2Drafter":
+                       **dflash2_fields: Any) -> DFlash2Drafter:
         """Load a published drafter: a DFlash2 one entirely; a DFlash (v1) one as the backbone,
         the DFlash2 parts (geometry from dflash2_fields: conv_kernel_size, conv_group_size,
         selector_rank, selector_top_k) at their identity init."""
