@@ -11,6 +11,8 @@
 # - resume is exact (N steps == N/2 + --resume N/2);
 # - a warm start from a DFlash drafter drafts exactly what that drafter drafts, one
 #   from a DFlash2 export loads everything;
+# - the selector loss at init recomputed by hand (top-K index or true-token injection);
+# - bf16/SDPA, compact int8 state, --max-minutes, held-out eval, the CLI and device_run;
 # - refusals: group not dividing hidden, K >= vocab, unknown --arch.
 from __future__ import annotations
 
@@ -213,3 +215,47 @@ def test_cli_and_device_run_dflash2(target, dataset, tmp_path):
     assert R2.load_drafter2(exported).selector_rank == 8
     sess = dflash.Session(target, draft=exported, device="cpu", num_threads=2)
     assert sess.propose_details([5, 6, 7])["k"] == 4
+
+
+def test_selector_loss_rule_at_init(target, dataset, hf_model):
+    """At init (B = 0) the selector scores are the unary top-K logits, so the selector loss is a
+    K-way CE that can be recomputed by hand: the true token's index among the top-K, or -- when it
+    misses -- slot K-1 holding the true token's own logit; K = 1 leaves nothing to select."""
+    from dflash.train import objective as O
+
+    tm = hf_model(target)
+    base = DrafterConfig.from_target(_config(target), num_layers=1, block_size=4, mask_token_id=352,
+                                     target_layer_ids=[0, 1])
+    batch = O.collate([(s.ids, len(s.prompt_ids)) for s in D.load_dataset(dataset)[:3]])
+    anchors, keep = O.eval_anchors(batch, 16)
+    with torch.no_grad():
+        _check_selector_rule(tm, base, batch, anchors, keep)
+
+
+def _check_selector_rule(tm, base, batch, anchors, keep):
+    import torch.nn.functional as F
+
+    from dflash.train import objective as O
+    from dflash.train.dflash2_objective import dflash2_loss
+
+    for k in (1, 8):
+        cfg = DrafterConfig.from_dict({**base.to_dict(), "arch": "dflash2", "selector_rank": 8, "selector_top_k": k})
+        model = DFlash2Drafter(cfg, *frozen_target_tensors(tm))
+        model.reset_parameters(0, std=0.3)
+        loss, st = dflash2_loss(model, tm, batch, anchors, keep, gamma=2.0, alpha=0.5)
+        t = O.unary_terms(model, tm, batch, anchors, keep, gamma=2.0)
+        logits = model.logits(t.rows)
+        labels = t.blocks["labels"][t.supervised]
+        top = torch.sort(logits, dim=-1, descending=True, stable=True)
+        vals, ids = top.values[:, :k].clone(), top.indices[:, :k]
+        hit = ids == labels[:, None]
+        miss = ~hit.any(-1)
+        vals[miss, k - 1] = logits[miss, labels[miss]]
+        index = torch.where(miss, k - 1, hit.long().argmax(-1))
+        sel = (t.weights * F.cross_entropy(vals, index, reduction="none")).sum() / t.weights.sum()
+        assert st["recall_hits"] == int((~miss).sum()) and st["selector_rows"] == labels.numel()
+        assert abs(float(loss) - (float(t.loss) + 0.5 * float(sel))) < 1e-4
+        if k == 1:
+            assert st["selector_num"] == 0.0 and st["recall_hits"] == sum(st["correct"])
+        else:
+            assert 0 < int(miss.sum()) < labels.numel()  # both branches of the rule occur
