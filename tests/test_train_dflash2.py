@@ -199,7 +199,7 @@ def test_cli_and_device_run_dflash2(target, dataset, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("\n".join(QUESTIONS[:6]) + "\n", encoding="utf-8")
     common = ["run", "--target", str(target), "--device", "cpu", "--threads", "2", "--minutes", "6",
-              "--prompts", str(prompts), "--self-prompts", "4", "--max-new-tokens", "16", "--arch", "dflash2",
+              "--prompts", str(prompts), "--max-new-tokens", "12", "--arch", "dflash2",
               "--selector-rank", "8", "--selector-top-k", "4", "--num-layers", "1", "--block-size", "4",
               "--target-layer-ids", "0,1", "--steps", "4", "--batch-size", "2", "--num-anchors", "8",
               "--holdout", "1", "--tau-prompts", "1", "--tau-max-tokens", "8", "--warmup-steps", "1"]
