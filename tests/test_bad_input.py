@@ -79,7 +79,7 @@ INDEX = "model.safetensors.index.json"
 
 def test_missing_model_directory_is_value_error(tmp_path):
     missing = tmp_path / "no_such_model"
-    with pytest.raises(ValueError, match=rf"model directory not found: .*no_such_model"):
+    with pytest.raises(ValueError, match=r"model directory not found: .*no_such_model"):
         _load(missing)
 
 

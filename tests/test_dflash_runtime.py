@@ -14,7 +14,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 import dflash
 from dflash.drafter_format import write_dflash_drafter
