@@ -150,15 +150,19 @@ def target_config(target) -> dict:
     return json.loads((Path(target) / "config.json").read_text())
 
 
-def small_dflash2(out_dir, target, **kw):
-    """A random one-layer DFlash2 drafter for the tiny target `target` in `out_dir` (block 4, taps
-    [0, 1], group 8, rank 8, K 8 unless `kw` says otherwise)."""
+# Prompts of the DFlash2 runtime tests (CPU and GPU).
+DRAFT_PROMPTS = [[17, 42, 99, 7, 250, 31], [5, 6, 7, 8], list(range(40, 70)), [300, 2, 301, 3, 302]]
+
+
+def small_dflash2(tmp_path, target, name: str = "d2", **kw):
+    """A random one-layer DFlash2 drafter for the tiny target `target` in tmp_path / name (block
+    4, taps [0, 1], group 8, rank 8, K 8 unless `kw` says otherwise)."""
     from dflash.drafter_format import write_dflash2_drafter
 
     for name, value in (("num_layers", 1), ("target_layer_ids", [0, 1]), ("block_size", 4), ("conv_group_size", 8),
                         ("selector_rank", 8), ("selector_top_k", 8)):
         kw.setdefault(name, value)
-    return write_dflash2_drafter(out_dir, target_config=target_config(target), **kw)
+    return write_dflash2_drafter(tmp_path / name, target_config=target_config(target), **kw)
 
 
 def greedy_ids(session, prompts, max_tokens: int = 20) -> list[list[int]]:

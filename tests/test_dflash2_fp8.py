@@ -20,23 +20,17 @@ import torch
 import dflash
 from dflash import _core
 from dflash.drafter_format import write_dflash_drafter
-from tests.runtime_helpers import assert_no_leaks, greedy_ids, sampled_second_tokens, small_dflash2, target_config
+from tests.runtime_helpers import DRAFT_PROMPTS, assert_no_leaks, greedy_ids, sampled_second_tokens, small_dflash2, target_config
 from tests.test_dflash_sampling import _chi2_ok, _target_probs
 
 K = _core.testing
-PROMPTS = [[17, 42, 99, 7, 250, 31], [5, 6, 7, 8], list(range(40, 70)), [300, 2, 301, 3, 302]]
+PROMPTS = DRAFT_PROMPTS
 
 
-def _cfg(target):
-    return target_config(target)
 
 
-def _dflash2(tmp_path, target, name="d2", **kw):
-    return small_dflash2(tmp_path / name, target, **kw)
 
 
-def _greedy(sess, prompts, max_tokens=20):
-    return greedy_ids(sess, prompts, max_tokens)
 
 
 def torch_encode(x: np.ndarray) -> np.ndarray:
@@ -211,20 +205,20 @@ def target(tiny_model_dirs):
          final_logit_softcapping=3.0, input_embedding_scale=1.5),
 ])
 def test_greedy_speculative_output_with_fp8_head_equals_target_greedy(tmp_path, target, geometry):
-    d = _dflash2(tmp_path, target, **geometry)
+    d = small_dflash2(tmp_path, target, **geometry)
     spec = dflash.Session(target, draft=d, device="cpu", num_threads=2, draft_head="fp8")
     ar = dflash.Session(target, device="cpu", num_threads=2)
-    expected = _greedy(ar, PROMPTS)
-    assert _greedy(spec, PROMPTS) == expected  # batched
+    expected = greedy_ids(ar, PROMPTS)
+    assert greedy_ids(spec, PROMPTS) == expected  # batched
     for prompt, want in zip(PROMPTS, expected):
-        assert _greedy(spec, [prompt]) == [want]  # alone
+        assert greedy_ids(spec, [prompt]) == [want]  # alone
     assert spec.stats()["num_spec_steps"] > 0
     assert_no_leaks(spec)
 
 
 def test_fp8_head_unary_is_the_exact_head_and_weights_are_counted(tmp_path, tiny_model_dirs):
     target = tiny_model_dirs["qwen3"]
-    d = _dflash2(tmp_path, target, block_size=6, selector_top_k=8, output_multiplier=0.25,
+    d = small_dflash2(tmp_path, target, block_size=6, selector_top_k=8, output_multiplier=0.25,
                  final_logit_softcapping=2.0, seed=3)
     exact = dflash.Session(target, draft=d, device="cpu", num_threads=1)
     fp8 = dflash.Session(target, draft=d, device="cpu", num_threads=1, draft_head="fp8")
@@ -261,7 +255,7 @@ N = 2000
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_k_candidate_sampling_with_fp8_head_matches_target_distribution(tmp_path, target, top_p):
-    d = _dflash2(tmp_path, target, block_size=4, selector_top_k=256, seed=5, init_std=0.02,
+    d = small_dflash2(tmp_path, target, block_size=4, selector_top_k=256, seed=5, init_std=0.02,
                  output_multiplier=1e-3)
     spec = dflash.Session(target, draft=d, device="cpu", num_threads=2, draft_head="fp8")
     ar = dflash.Session(target, device="cpu", num_threads=2)
@@ -278,8 +272,8 @@ def test_k_candidate_sampling_with_fp8_head_matches_target_distribution(tmp_path
 
 
 def test_draft_head_refusals(tmp_path, target):
-    d2 = _dflash2(tmp_path, target)
-    d1 = write_dflash_drafter(tmp_path / "d1", target_config=_cfg(target), num_layers=1, target_layer_ids=[0, 1],
+    d2 = small_dflash2(tmp_path, target)
+    d1 = write_dflash_drafter(tmp_path / "d1", target_config=target_config(target), num_layers=1, target_layer_ids=[0, 1],
                               block_size=4)
     with pytest.raises(ValueError, match="draft_head must be 'exact' or 'fp8'"):
         dflash.Session(target, draft=d2, device="cpu", num_threads=1, draft_head="bf16")

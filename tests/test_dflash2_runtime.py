@@ -17,22 +17,16 @@ import pytest
 import dflash
 from dflash.drafter_format import write_dflash_drafter
 from tests.reference.dflash2_reference import load_drafter2, propose2_ref, spec_generate2_ref
-from tests.runtime_helpers import assert_no_leaks, greedy_ids, sampled_second_tokens, small_dflash2, target_config
+from tests.runtime_helpers import DRAFT_PROMPTS, assert_no_leaks, greedy_ids, sampled_second_tokens, small_dflash2, target_config
 from tests.test_dflash_sampling import _chi2_ok, _target_probs
 
-PROMPTS = [[17, 42, 99, 7, 250, 31], [5, 6, 7, 8], list(range(40, 70)), [300, 2, 301, 3, 302]]
+PROMPTS = DRAFT_PROMPTS
 
 
-def _cfg(target):
-    return target_config(target)
 
 
-def _dflash2(tmp_path, target, name="d2", **kw):
-    return small_dflash2(tmp_path / name, target, **kw)
 
 
-def _greedy(sess, prompts, max_tokens=20):
-    return greedy_ids(sess, prompts, max_tokens)
 
 
 @pytest.fixture
@@ -48,13 +42,13 @@ def target(tiny_model_dirs):
     dict(block_size=6, num_layers=2, dtype="bfloat16", selector_top_k=5),
 ])
 def test_greedy_speculative_output_equals_target_greedy(tmp_path, target, geometry):
-    d = _dflash2(tmp_path, target, **geometry)
+    d = small_dflash2(tmp_path, target, **geometry)
     spec = dflash.Session(target, draft=d, device="cpu", num_threads=2)
     ar = dflash.Session(target, device="cpu", num_threads=2)
-    expected = _greedy(ar, PROMPTS)
-    assert _greedy(spec, PROMPTS) == expected  # batched
+    expected = greedy_ids(ar, PROMPTS)
+    assert greedy_ids(spec, PROMPTS) == expected  # batched
     for prompt, want in zip(PROMPTS, expected):
-        assert _greedy(spec, [prompt]) == [want]  # alone
+        assert greedy_ids(spec, [prompt]) == [want]  # alone
     assert spec.stats()["num_spec_steps"] > 0
     assert_no_leaks(spec)
 
@@ -73,7 +67,7 @@ def test_greedy_speculative_output_equals_target_greedy(tmp_path, target, geomet
 ])
 def test_propose_matches_the_reference(tmp_path, tiny_model_dirs, hf_model, preset, geometry):
     target = tiny_model_dirs[preset]
-    d = _dflash2(tmp_path, target, seed=7, **geometry)
+    d = small_dflash2(tmp_path, target, seed=7, **geometry)
     sess = dflash.Session(target, draft=d, device="cpu", num_threads=2)
     ref = load_drafter2(d)
     model = hf_model(target)
@@ -90,22 +84,22 @@ def test_propose_matches_the_reference(tmp_path, tiny_model_dirs, hf_model, pres
 
 def test_greedy_output_equals_the_reference_loop(tmp_path, tiny_model_dirs, hf_model):
     target = tiny_model_dirs["qwen3"]
-    d = _dflash2(tmp_path, target, block_size=6, selector_top_k=8, seed=2)
+    d = small_dflash2(tmp_path, target, block_size=6, selector_top_k=8, seed=2)
     sess = dflash.Session(target, draft=d, device="cpu", num_threads=2)
     tokens, _ = spec_generate2_ref(hf_model(target), load_drafter2(d), PROMPTS[0], 16)
-    assert _greedy(sess, [PROMPTS[0]], max_tokens=16) == [tokens[:16]]
+    assert greedy_ids(sess, [PROMPTS[0]], max_tokens=16) == [tokens[:16]]
 
 
 def test_identity_init_drafts_like_its_dflash_backbone(tmp_path, target):
     """With the conv an exact no-op and the successor codebook zero, every edge row is the
     unary row, so the greedy walk picks each slot's top candidate: the DFlash v1 argmax."""
-    d2 = _dflash2(tmp_path, target, block_size=6, identity_init=True, seed=3, init_std=0.5)
+    d2 = small_dflash2(tmp_path, target, block_size=6, identity_init=True, seed=3, init_std=0.5)
     cfg2 = json.loads((d2 / "config.json").read_text())
     from safetensors.numpy import load_file
 
     weights = {k: v for k, v in load_file(str(d2 / "model.safetensors")).items()
                if "_conv." not in k and not k.startswith("candidate_selector.")}
-    d1 = write_dflash_drafter(tmp_path / "d1", target_config=_cfg(target), num_layers=1, target_layer_ids=[0, 1],
+    d1 = write_dflash_drafter(tmp_path / "d1", target_config=target_config(target), num_layers=1, target_layer_ids=[0, 1],
                               block_size=6, weights=weights)
     assert json.loads((d1 / "config.json").read_text())["hidden_size"] == cfg2["hidden_size"]
     s1 = dflash.Session(target, draft=d1, device="cpu", num_threads=1)
@@ -121,7 +115,7 @@ def test_identity_init_drafts_like_its_dflash_backbone(tmp_path, target):
 
 
 def test_candidates_are_the_lm_head_top_k_with_multiplier_and_cap(tmp_path, target):
-    d = _dflash2(tmp_path, target, block_size=5, selector_top_k=6, output_multiplier=0.25,
+    d = small_dflash2(tmp_path, target, block_size=5, selector_top_k=6, output_multiplier=0.25,
                  final_logit_softcapping=2.0)
     sess = dflash.Session(target, draft=d, device="cpu", num_threads=1)
     details = sess.propose_details(PROMPTS[0])
@@ -151,7 +145,7 @@ def test_k_candidate_sampling_matches_target_distribution(tmp_path, target, top_
     # A large K relative to the tiny vocabulary and nearly flat scores (a small output multiplier
     # and small codebooks), so q is spread over most of the vocabulary and drafts are accepted
     # often enough that both branches of the rejection sampler are exercised.
-    d = _dflash2(tmp_path, target, block_size=4, selector_top_k=256, seed=5, init_std=0.02,
+    d = small_dflash2(tmp_path, target, block_size=4, selector_top_k=256, seed=5, init_std=0.02,
                  output_multiplier=1e-3)
     spec = dflash.Session(target, draft=d, device="cpu", num_threads=2)
     ar = dflash.Session(target, device="cpu", num_threads=2)
@@ -168,7 +162,7 @@ def test_k_candidate_sampling_matches_target_distribution(tmp_path, target, top_
 
 
 def test_seeded_sampling_is_identical_alone_and_batched(tmp_path, target):
-    d = _dflash2(tmp_path, target, block_size=5, selector_top_k=16)
+    d = small_dflash2(tmp_path, target, block_size=5, selector_top_k=16)
     spec = dflash.Session(target, draft=d, device="cpu", num_threads=2)
     params = [dflash.SamplingParams(max_tokens=16, temperature=0.9, top_k=40, seed=11 + i, ignore_eos=True)
               for i in range(len(PROMPTS))]

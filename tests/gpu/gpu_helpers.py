@@ -32,3 +32,18 @@ def kernel_ops():
     from dflash._core import testing
 
     return testing
+
+
+def bf16_randn(*shape, seed, scale=1.0):
+    """A seeded standard-normal bf16 CUDA tensor times `scale`."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+
+def gpu_dflash2(tmp_path, target, name: str = "d2", **kw):
+    """small_dflash2 with group 16 and rank 16 unless `kw` says otherwise (the GPU tests' drafter)."""
+    from tests.runtime_helpers import small_dflash2
+
+    kw.setdefault("conv_group_size", 16)
+    kw.setdefault("selector_rank", 16)
+    return small_dflash2(tmp_path, target, name, **kw)

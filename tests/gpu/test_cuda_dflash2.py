@@ -17,32 +17,22 @@ import pytest
 import dflash
 from dflash import _core
 from dflash.drafter_format import write_dflash_drafter
-from tests.gpu.gpu_helpers import kernel_ops, torch
-from tests.runtime_helpers import greedy_ids, small_dflash2, target_config
+from tests.gpu.gpu_helpers import bf16_randn, gpu_dflash2, kernel_ops, torch
+from tests.runtime_helpers import DRAFT_PROMPTS, greedy_ids, target_config
 
 pytestmark = pytest.mark.skipif(not _core.cuda_usable(), reason="needs the CUDA backend and a Hopper GPU")
 
 DEV = "cuda"
-PROMPTS = [[17, 42, 99, 7, 250, 31], [5, 6, 7, 8], list(range(40, 70)), [300, 2, 301, 3, 302]]
+PROMPTS = DRAFT_PROMPTS
+MAX_TOKENS = 24  # greedy generations
 
 
-def _cfg(target):
-    return target_config(target)
 
 
-def _dflash2(tmp_path, target, name="d2", **kw):
-    kw.setdefault("conv_group_size", 16)
-    kw.setdefault("selector_rank", 16)
-    return small_dflash2(tmp_path / name, target, **kw)
 
 
-def _greedy(sess, prompts, max_tokens=24):
-    return greedy_ids(sess, prompts, max_tokens)
 
 
-def _bf16(*shape, seed, scale=1.0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,15 +63,15 @@ def conv_ref(x, base, deltas, side, block, group):
 @pytest.mark.parametrize("side", [0, 1])
 def test_grouped_conv(rows, block, hidden, group, taps, side):
     K = kernel_ops()
-    x = _bf16(rows, hidden, seed=rows + hidden)
-    base = _bf16(2, taps, hidden, seed=3, scale=0.5)
-    deltas = _bf16(rows, 2 * taps * (hidden // group), seed=4, scale=0.5)
+    x = bf16_randn(rows, hidden, seed=rows + hidden)
+    base = bf16_randn(2, taps, hidden, seed=3, scale=0.5)
+    deltas = bf16_randn(rows, 2 * taps * (hidden // group), seed=4, scale=0.5)
     want = conv_ref(x, base, deltas, side, block, group)
     out = torch.full((rows, hidden), float("nan"), device=DEV, dtype=torch.bfloat16)
     K.cuda_grouped_conv(x, base, deltas, side, block, group, False, out)
     torch.testing.assert_close(out.float(), want, rtol=2 ** -7, atol=1e-2)
     # accumulate: a residual stream gets the conv added (one rounding)
-    residual = _bf16(rows, hidden, seed=9)
+    residual = bf16_randn(rows, hidden, seed=9)
     acc = residual.clone()
     K.cuda_grouped_conv(x, base, deltas, side, block, group, True, acc)
     torch.testing.assert_close(acc.float(), residual.float() + want, rtol=2 ** -7, atol=2e-2)
@@ -89,9 +79,9 @@ def test_grouped_conv(rows, block, hidden, group, taps, side):
 
 def test_grouped_conv_refusals():
     K = kernel_ops()
-    x = _bf16(6, 64, seed=1)
-    base = _bf16(2, 2, 64, seed=2)
-    deltas = _bf16(6, 2 * 2 * 4, seed=3)
+    x = bf16_randn(6, 64, seed=1)
+    base = bf16_randn(2, 2, 64, seed=2)
+    deltas = bf16_randn(6, 2 * 2 * 4, seed=3)
     out = torch.empty_like(x)
     with pytest.raises(Exception, match="grouped_conv"):
         K.cuda_grouped_conv(x, base, deltas, 0, 4, 16, False, out)  # 6 rows are not whole blocks of 4
@@ -101,7 +91,7 @@ def test_grouped_conv_refusals():
 
 @pytest.mark.parametrize("n", [1, 7, 4096, 5121])
 def test_scale_bf16(n):
-    x = _bf16(n, seed=n)
+    x = bf16_randn(n, seed=n)
     want = x.float() * 1.7
     kernel_ops().cuda_scale_bf16(x, 1.7)
     torch.testing.assert_close(x.float(), want, rtol=2 ** -8, atol=0)
@@ -128,8 +118,8 @@ def test_edge_scores(reqs, slots, k, rank, vocab):
     unary = torch.randn(reqs, slots, k, device=DEV, generator=g)
     gate = torch.randn(reqs, slots, rank, device=DEV, generator=g)
     anchors = torch.randint(0, vocab, (reqs,), device=DEV, generator=g, dtype=torch.int32)
-    A = _bf16(vocab, rank, seed=5, scale=0.3)
-    B = _bf16(vocab, rank, seed=6, scale=0.3)
+    A = bf16_randn(vocab, rank, seed=5, scale=0.3)
+    B = bf16_randn(vocab, rank, seed=6, scale=0.3)
     edges = torch.full((reqs, slots, k, k), float("nan"), device=DEV)
     kernel_ops().cuda_edge_scores(ids, unary, gate, anchors, A, B, edges)
     want = edges_ref(ids, unary, gate, anchors, A, B)
@@ -164,19 +154,19 @@ def test_greedy_speculative_equals_target_greedy_on_gpu(tmp_path, tiny_model_dir
     from tests.gpu.test_cuda_models import TOL_FACTOR, _check_greedy, bf16_floor
 
     target = tiny_model_dirs[preset]
-    d = _dflash2(tmp_path, target, **geometry)
+    d = gpu_dflash2(tmp_path, target, **geometry)
     spec = dflash.Session(target, draft=d, device="cuda", draft_head=draft_head)
     eager = dflash.Session(target, draft=d, device="cuda", cuda_graphs=False, draft_head=draft_head)
     ar = dflash.Session(target, device="cuda")
     cpu = dflash.Session(target, device="cpu", num_threads=2)
-    got, want = _greedy(spec, PROMPTS), _greedy(ar, PROMPTS)
+    got, want = greedy_ids(spec, PROMPTS, MAX_TOKENS), greedy_ids(ar, PROMPTS, MAX_TOKENS)
     floor = bf16_floor(preset, tiny_model_dirs, cpu)
     for p, g, w in zip(PROMPTS, got, want):
         _check_greedy(cpu, p, g, w, f"{preset} dflash2 {draft_head} head (cuda) vs ar(cuda)", TOL_FACTOR * floor)
-    alone = [_greedy(spec, [p])[0] for p in PROMPTS]
+    alone = [greedy_ids(spec, [p], MAX_TOKENS)[0] for p in PROMPTS]
     for p, a, w in zip(PROMPTS, alone, want):
         _check_greedy(cpu, p, a, w, f"{preset} dflash2 {draft_head} head (cuda) alone vs ar(cuda)", TOL_FACTOR * floor)
-    assert _greedy(eager, PROMPTS) == got  # graph replay == eager
+    assert greedy_ids(eager, PROMPTS, MAX_TOKENS) == got  # graph replay == eager
     st = spec.stats()
     assert st["graph_steps"] > 0 and st["eager_steps"] == 0
     assert eager.stats()["graph_steps"] == 0
@@ -185,7 +175,7 @@ def test_greedy_speculative_equals_target_greedy_on_gpu(tmp_path, tiny_model_dir
 
 def test_propose_details_on_gpu_match_cpu_and_are_consistent(tmp_path, tiny_model_dirs):
     target = tiny_model_dirs["llama_hd64"]
-    d = _dflash2(tmp_path, target, block_size=8, selector_top_k=16, selector_rank=32, output_multiplier=0.7,
+    d = gpu_dflash2(tmp_path, target, block_size=8, selector_top_k=16, selector_rank=32, output_multiplier=0.7,
                  final_logit_softcapping=5.0)
     gpu = dflash.Session(target, draft=d, device="cuda")
     cpu = dflash.Session(target, draft=d, device="cpu", num_threads=2)
@@ -248,7 +238,7 @@ def _assert_exact_sampling(spec, target, top_p, label):
 def test_k_candidate_sampling_is_exact_on_gpu(tmp_path, tiny_model_dirs, top_p, draft_head):
     target = tiny_model_dirs["llama_hd64"]
     # K = 64 of a tiny vocabulary and nearly flat scores, so drafts are accepted often enough.
-    d = _dflash2(tmp_path, target, block_size=4, selector_top_k=64, seed=5, init_std=0.02, output_multiplier=1e-3)
+    d = gpu_dflash2(tmp_path, target, block_size=4, selector_top_k=64, seed=5, init_std=0.02, output_multiplier=1e-3)
     spec = dflash.Session(target, draft=d, device="cuda", draft_head=draft_head)
     _assert_exact_sampling(spec, target, top_p, f"DFlash2 {draft_head} head")
 
@@ -256,7 +246,7 @@ def test_k_candidate_sampling_is_exact_on_gpu(tmp_path, tiny_model_dirs, top_p, 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_probabilistic_dflash_drafts_are_exact_on_gpu(tmp_path, tiny_model_dirs, top_p):
     target = tiny_model_dirs["llama_hd64"]
-    d1 = write_dflash_drafter(tmp_path / "d1", target_config=_cfg(target), num_layers=1, target_layer_ids=[0, 1],
+    d1 = write_dflash_drafter(tmp_path / "d1", target_config=target_config(target), num_layers=1, target_layer_ids=[0, 1],
                               block_size=4, init_std=0.02)
     spec = dflash.Session(target, draft=d1, device="cuda", draft_sampling="probabilistic")
     _assert_exact_sampling(spec, target, top_p, "probabilistic DFlash")
@@ -264,7 +254,7 @@ def test_probabilistic_dflash_drafts_are_exact_on_gpu(tmp_path, tiny_model_dirs,
 
 def test_seeded_sampling_on_gpu_is_reproducible(tmp_path, tiny_model_dirs):
     target = tiny_model_dirs["qwen3_hd128"]
-    d = _dflash2(tmp_path, target, block_size=5, selector_top_k=16)
+    d = gpu_dflash2(tmp_path, target, block_size=5, selector_top_k=16)
     spec = dflash.Session(target, draft=d, device="cuda")
     params = [dflash.SamplingParams(max_tokens=16, temperature=0.9, top_k=40, seed=11 + i, ignore_eos=True)
               for i in range(len(PROMPTS))]
@@ -280,13 +270,13 @@ def test_probabilistic_dflash_at_temperature_zero_is_greedy_on_gpu(tmp_path, tin
 
     preset = "qwen3_hd128"
     target = tiny_model_dirs[preset]
-    d1 = write_dflash_drafter(tmp_path / "d1", target_config=_cfg(target), num_layers=1, target_layer_ids=[0, 1],
+    d1 = write_dflash_drafter(tmp_path / "d1", target_config=target_config(target), num_layers=1, target_layer_ids=[0, 1],
                               block_size=5)
     prob = dflash.Session(target, draft=d1, device="cuda", draft_sampling="probabilistic")
     ar = dflash.Session(target, device="cuda")
     cpu = dflash.Session(target, device="cpu", num_threads=2)
     floor = bf16_floor(preset, tiny_model_dirs, cpu)
-    for p, g, w in zip(PROMPTS, _greedy(prob, PROMPTS), _greedy(ar, PROMPTS)):
+    for p, g, w in zip(PROMPTS, greedy_ids(prob, PROMPTS, MAX_TOKENS), greedy_ids(ar, PROMPTS, MAX_TOKENS)):
         _check_greedy(cpu, p, g, w, "probabilistic dflash(cuda) at T=0 vs ar(cuda)", TOL_FACTOR * floor)
     st = prob.stats()
     assert st["num_free_blocks"] == st["num_blocks"]
@@ -294,10 +284,10 @@ def test_probabilistic_dflash_at_temperature_zero_is_greedy_on_gpu(tmp_path, tin
 
 def test_geometry_beyond_the_kernel_limits_is_refused(tmp_path, tiny_model_dirs):
     target = tiny_model_dirs["llama_hd64"]
-    d = _dflash2(tmp_path, target, selector_top_k=65)
+    d = gpu_dflash2(tmp_path, target, selector_top_k=65)
     with pytest.raises(dflash.DFlashError, match=r"selector_top_k 65 is above the CUDA top-K"):
         dflash.Session(target, draft=d, device="cuda")
     dflash.Session(target, draft=d, device="cpu", num_threads=1)  # the CPU backend has no such limit
-    d = _dflash2(tmp_path, target, name="r", selector_rank=2048)
+    d = gpu_dflash2(tmp_path, target, name="r", selector_rank=2048)
     with pytest.raises(dflash.DFlashError, match=r"selector_rank 2048"):
         dflash.Session(target, draft=d, device="cuda")

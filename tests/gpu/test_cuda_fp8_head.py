@@ -17,32 +17,22 @@ import pytest
 
 import dflash
 from dflash import _core
-from tests.gpu.gpu_helpers import kernel_ops, torch
-from tests.runtime_helpers import greedy_ids, small_dflash2, target_config
+from tests.gpu.gpu_helpers import bf16_randn, gpu_dflash2, kernel_ops, torch
+from tests.runtime_helpers import DRAFT_PROMPTS, target_config
 
 pytestmark = pytest.mark.skipif(not _core.cuda_usable(), reason="needs the CUDA backend and a Hopper GPU")
 
 DEV = "cuda"
-PROMPTS = [[17, 42, 99, 7, 250, 31], [5, 6, 7, 8], list(range(40, 70)), [300, 2, 301, 3, 302]]
+PROMPTS = DRAFT_PROMPTS
+MAX_TOKENS = 24  # greedy generations
 
 
-def _cfg(target):
-    return target_config(target)
 
 
-def _dflash2(tmp_path, target, name="d2", **kw):
-    kw.setdefault("conv_group_size", 16)
-    kw.setdefault("selector_rank", 16)
-    return small_dflash2(tmp_path / name, target, **kw)
 
 
-def _greedy(sess, prompts, max_tokens=24):
-    return greedy_ids(sess, prompts, max_tokens)
 
 
-def _bf16(*shape, seed, scale=1.0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(torch.bfloat16)
 
 
 def _head(v, h, seed):
@@ -112,7 +102,7 @@ def run_linear(x, q, scale, guard_rows=2):
 @pytest.mark.parametrize("m", [1, 7, 16, 33, 224, 512])
 def test_linear_fp8_matches_torch(m, v, h):
     q, scale, deq = _fp8_weights(v, h)
-    x = _bf16(m, h, seed=m)
+    x = bf16_randn(m, h, seed=m)
     out = run_linear(x, q, scale)
     assert not torch.isnan(out).any(), "an output was not written"
     xd = x.double()
@@ -144,7 +134,7 @@ def test_every_e4m3_code_converts_exactly():
 
 def test_linear_fp8_in_a_cuda_graph():
     q, scale, deq = _fp8_weights(1000, 64)
-    x = _bf16(7, 64, seed=1)
+    x = bf16_randn(7, 64, seed=1)
     first = run_linear(x, q, scale).clone()
     out = torch.full((7, 1000), float("nan"), device=DEV)
     stream = torch.cuda.Stream()
@@ -163,12 +153,12 @@ def test_linear_fp8_refuses_unsupported_shapes():
     q, scale, _ = _fp8_weights(1000, 64)
     out = torch.empty(513, 1000, device=DEV)
     with pytest.raises(dflash.DFlashError, match="linear_fp8"):
-        K.cuda_linear_fp8(_bf16(513, 64, seed=2), q, scale, out)  # M > kFp8GemvMaxRows
+        K.cuda_linear_fp8(bf16_randn(513, 64, seed=2), q, scale, out)  # M > kFp8GemvMaxRows
     assert K.cuda_fp8_gemv_max_rows == 512
-    w40 = _bf16(10, 40, seed=3)
+    w40 = bf16_randn(10, 40, seed=3)
     q40, s40 = quantize(w40)
     with pytest.raises(dflash.DFlashError, match="linear_fp8"):
-        K.cuda_linear_fp8(_bf16(2, 40, seed=4), q40, s40, torch.empty(2, 10, device=DEV))  # H % 16 != 0
+        K.cuda_linear_fp8(bf16_randn(2, 40, seed=4), q40, s40, torch.empty(2, 10, device=DEV))  # H % 16 != 0
     flat = torch.empty(2 * 64 + 1, device=DEV, dtype=torch.bfloat16)
     with pytest.raises(dflash.DFlashError, match="linear_fp8"):
         K.cuda_linear_fp8(flat[1:].view(2, 64), q, scale, torch.empty(2, 1000, device=DEV))  # x misaligned
@@ -184,8 +174,8 @@ def test_linear_fp8_refuses_unsupported_shapes():
 ])
 def test_rescore_candidates_matches_torch_and_cpu(rows, k, v, h, multiplier, softcap):
     K = kernel_ops()
-    hs = _bf16(rows, h, seed=rows)
-    head = _bf16(v, h, seed=v, scale=0.5)
+    hs = bf16_randn(rows, h, seed=rows)
+    head = bf16_randn(v, h, seed=v, scale=0.5)
     g = torch.Generator(device=DEV).manual_seed(k)
     ids = torch.stack([torch.randperm(v, device=DEV, generator=g)[:k] for _ in range(rows)]).to(torch.int32)
     if k >= 2:
@@ -222,11 +212,11 @@ def test_rescore_candidates_matches_torch_and_cpu(rows, k, v, h, multiplier, sof
 
 def test_fp8_head_unary_is_exact_on_gpu(tmp_path, tiny_model_dirs):
     target = tiny_model_dirs["llama_hd64"]
-    d = _dflash2(tmp_path, target, block_size=8, selector_top_k=16, selector_rank=32, output_multiplier=0.7,
+    d = gpu_dflash2(tmp_path, target, block_size=8, selector_top_k=16, selector_rank=32, output_multiplier=0.7,
                  final_logit_softcapping=5.0)
     fp8 = dflash.Session(target, draft=d, device="cuda", draft_head="fp8")
     exact = dflash.Session(target, draft=d, device="cuda")
-    cfg = _cfg(target)
+    cfg = target_config(target)
     assert fp8._core.stats().draft_weight_bytes == exact._core.stats().draft_weight_bytes + \
         cfg["vocab_size"] * cfg["hidden_size"] + 4 * cfg["vocab_size"]
     shared = []
@@ -254,7 +244,7 @@ def test_a_head_the_fp8_kernel_cannot_run_is_refused(tmp_path):
 
     target = write_tiny_model(tmp_path / "h72", arch="qwen3", hidden_size=72, num_heads=2, num_kv_heads=1,
                               head_dim=64)
-    d = _dflash2(tmp_path, target, conv_group_size=8, selector_rank=8)
+    d = gpu_dflash2(tmp_path, target, conv_group_size=8, selector_rank=8)
     try:
         dflash.Session(target, draft=d, device="cuda")
     except Exception as e:  # noqa: BLE001 - this geometry is beyond another CUDA limit: nothing to test here
