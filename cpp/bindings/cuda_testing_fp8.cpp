@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "bindings/cuda_testing_util.h"
 #include "common/error.h"
 #include "cuda/kernels.h"
 
@@ -21,32 +22,7 @@ using namespace nb::literals;
 namespace dflash {
 namespace {
 
-using Any = nb::ndarray<nb::device::cuda, nb::c_contig>;
-using F32 = nb::ndarray<float, nb::device::cuda, nb::c_contig>;
-using I32 = nb::ndarray<int32_t, nb::device::cuda, nb::c_contig>;
-using U8 = nb::ndarray<uint8_t, nb::device::cuda, nb::c_contig>;
-using Stream = std::optional<uintptr_t>;
-
-__nv_bfloat16* bf16(const Any& a, const char* name) {
-  DFLASH_ARG_CHECK(a.dtype().code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && a.dtype().bits == 16,
-                   name, " must be a bfloat16 tensor");
-  return static_cast<__nv_bfloat16*>(a.data());
-}
-
-cudaStream_t as_stream(const Stream& s) { return s ? reinterpret_cast<cudaStream_t>(*s) : nullptr; }
-
-// Checks the launch; without a stream also waits for the kernel and checks its completion.
-void run(const char* op, const Stream& stream, cudaError_t launched) {
-  DFLASH_CHECK(launched == cudaSuccess, op, ": launch failed: ", cudaGetErrorString(launched));
-  if (stream) return;
-  const cudaError_t done = cudaDeviceSynchronize();
-  DFLASH_CHECK(done == cudaSuccess, op, ": kernel failed: ", cudaGetErrorString(done));
-}
-
-void use_device(int device) {
-  const cudaError_t e = cudaSetDevice(device);
-  DFLASH_CHECK(e == cudaSuccess, "cudaSetDevice(", device, "): ", cudaGetErrorString(e));
-}
+using namespace testing_bindings;
 
 // w [V, H] bf16 -> q [V, H] uint8 (e4m3 bytes), scale [V] fp32.
 void cuda_fp8_quantize_rows(const Any& w, const U8& q, const F32& scale, const Stream& stream) {
