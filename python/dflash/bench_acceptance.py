@@ -343,7 +343,7 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
     if args.threads:
         kwargs["num_threads"] = args.threads
     session = dflash.Session(args.model, draft=args.draft, device=args.device, max_model_len=args.max_model_len,
-                             draft_sampling=args.draft_sampling, **kwargs)
+                             draft_sampling=args.draft_sampling, draft_head=args.draft_head, **kwargs)
     tok = session.tokenizer
     stats = session.stats()
     max_len = stats["max_model_len"]
@@ -377,6 +377,7 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
         "settings": {
             "datasets": names, "temperatures": temps, "limits": limits, "max_tokens": args.max_tokens,
             "seed": args.seed, "device": stats["device"], "batch_size": 1, "draft_sampling": args.draft_sampling,
+            "draft_head": args.draft_head,
             "num_speculative_tokens": stats["num_speculative_tokens"], "max_model_len": max_len,
             "top_p": 1.0, "top_k": 0, "chat_template": use_chat, "enable_thinking": args.enable_thinking,
             "prompt_format": args.prompt_format, "warmup_requests": args.warmup,
@@ -478,6 +479,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all)")
     p.add_argument("--draft-sampling", default="greedy", choices=["greedy", "probabilistic"],
                    help="DFlash (v1) drafts: argmax (default) or sampled from the drafter at T > 0")
+    p.add_argument("--draft-head", default="exact", choices=["exact", "fp8"],
+                   help="DFlash2 drafters: the LM head that picks the K candidates (exact, or its FP8 copy)")
     p.add_argument("--seed", type=int, default=0, help="base of the per-request seeds")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up requests (default 1)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
