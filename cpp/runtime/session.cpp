@@ -24,10 +24,20 @@ size_t scratch_bytes(const ModelConfig& c, const SessionConfig& s, int64_t num_t
                      const DraftConfig* draft) {
   const int64_t rows = std::max<int64_t>(s.max_num_batched_tokens, s.max_num_seqs * (spec_tokens + 1));
   const int64_t logit_rows = std::max<int64_t>(s.max_num_seqs * (spec_tokens + 1), 1);
-  const int64_t width = c.hidden_size * (4 + num_taps) + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
+  // Per row of the target forward: residual, taps, and the layer scratch (normed, fused qkv and
+  // q/k/v split from it, attention out, projection, gate_up, act), with room to spare.
+  const int64_t width = c.hidden_size * (4 + num_taps) + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
                         2 * c.num_heads * c.head_dim + 3 * c.intermediate_size;
   const int64_t activations = rows * width * 2;
   const int64_t logits = logit_rows * c.vocab_size * 4 * 2;
+  int64_t context_update = 0;
+  if (draft != nullptr) {
+    // The drafter's context update runs in the same step as the target forward over the same
+    // committed rows (a whole prefill chunk): fc out and its norm [H_d] each, and the K/V of every
+    // drafter layer [L_d * 2 * kv_heads * head_dim] (bf16).
+    const ModelConfig& g = draft->geometry;
+    context_update = rows * (2 * g.hidden_size + g.num_layers * 2 * g.num_kv_heads * g.head_dim) * 2;
+  }
   int64_t selector = 0;
   if (draft != nullptr && draft->arch == DraftArch::kDFlash2) {
     // Per draft row: edges [K, K], candidates and unary [K], the gate [rank] (fp32), the top-K
@@ -41,7 +51,7 @@ size_t scratch_bytes(const ModelConfig& c, const SessionConfig& s, int64_t num_t
                    (draft->geometry.hidden_size * 2 + 2 * d.conv_kernel_size * (draft->geometry.hidden_size /
                                                                                   d.conv_group_size) * 2);
   }
-  return static_cast<size_t>(activations + logits + selector + (64ll << 20));
+  return static_cast<size_t>(activations + logits + context_update + selector + (64ll << 20));
 }
 
 double seconds_between(Clock::time_point a, Clock::time_point b) {
