@@ -472,6 +472,27 @@ def carry_over_sections(res: dict[str, Any], path: Path, sections: set[str]) -> 
     res["section_runs"] = runs
 
 
+def extras_goals(res: dict[str, Any]) -> dict[str, Any]:
+    """The <= 2 % goal for the DFlash2 extras at batch 1, read two ways: the CUPTI sum of the
+    extras' kernel durations over the step time, and the step-time difference DFlash2 - DFlash
+    over the DFlash2 step (which also holds the conv projection GEMMs). With programmatic
+    dependent launch a kernel starts before the one ahead ends and waits inside, so CUPTI
+    durations overlap (gpu_busy / step > 1) and their sum overstates a kernel's own time."""
+    p = res.get("profile", {}).get("bs1")
+    if p is None:
+        return {}
+    step_s = res["steps"]["dflash2"]["bs1"]["step_s_median"]
+    busy_over_step = p["gpu_busy_us_per_step"] * 1e-6 / step_s
+    out = {"extras_share_bs1": {"goal": GOAL_EXTRAS_SHARE_BS1, "measured": p["extras_share_of_step"],
+                                "met": p["extras_share_of_step"] <= GOAL_EXTRAS_SHARE_BS1,
+                                "how": "CUPTI: sum of conv, top-K, edge and walk kernel durations / step",
+                                "gpu_busy_over_step": busy_over_step},
+           "step_difference_share_bs1": {"goal": GOAL_EXTRAS_SHARE_BS1, "measured": p["step_difference_share"],
+                                         "met": p["step_difference_share"] <= GOAL_EXTRAS_SHARE_BS1,
+                                         "how": "(DFlash2 step - DFlash step) / DFlash2 step, medians of one run"}}
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -584,9 +605,9 @@ def main(argv=None) -> None:
     fp8 = res.get("fp8", {}).get("rows7", {})
     if "speedup_vs_cublaslt" in fp8:
         headline["fp8_head_speedup_vs_bf16_bs1"] = round(fp8["speedup_vs_cublaslt"], 3)
-    if "dflash2_extras_share_bs1" in headline:
-        res["goals"] = {"extras_share_bs1": {"goal": GOAL_EXTRAS_SHARE_BS1, "measured": headline["dflash2_extras_share_bs1"],
-                                             "met": headline["dflash2_extras_share_bs1"] <= GOAL_EXTRAS_SHARE_BS1}}
+    goals = extras_goals(res)
+    if goals:
+        res["goals"] = goals
     res["headline"] = headline
     save()
     if headline:
