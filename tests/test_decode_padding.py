@@ -18,7 +18,7 @@ from dflash import _core
 MODEL = "qwen3"
 
 
-def _session(model_dir, pad, draft=None):
+def _session(model_dir, pad, draft=None, draft_sampling="greedy"):
     cfg = _core.SessionConfig()
     cfg.num_threads = 2
     cfg.max_num_seqs = 4
@@ -26,6 +26,7 @@ def _session(model_dir, pad, draft=None):
     cfg.pad_decode_batches = pad
     if draft is not None:
         cfg.draft_dir = str(draft)
+        cfg.draft_sampling = draft_sampling  # oracle drafts (full acceptance) need one-hot proposals
     return _core.Session(str(model_dir), cfg)
 
 
@@ -79,3 +80,7 @@ def test_dflash_padding_changes_nothing(model_dir, temperature, tmp_path):
     # full acceptance: oracle drafts = the target's own continuation (several tokens per step)
     want = _run(_session(model_dir, False), prompts, 0.0)
     assert _run(padded, prompts, 0.0, oracle=want) == want
+    # probabilistic drafts (the default): padding rows change nothing either
+    padded, exact = (_session(model_dir, pad, dr, draft_sampling="auto") for pad in (True, False))
+    assert padded.stats().draft_sampling == "probabilistic"
+    assert _run(padded, prompts, temperature) == _run(exact, prompts, temperature)

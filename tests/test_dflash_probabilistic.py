@@ -1,10 +1,11 @@
 # tests/test_dflash_probabilistic.py
 #
-# Probabilistic DFlash (v1) drafts (draft_sampling="probabilistic", CPU backend): at T > 0 each
-# draft is a Gumbel-max draw from the drafter's softmax(logits / T) on the draft stream, and
-# acceptance is exact rejection sampling against that dense proposal: the emitted token follows
-# the target's distribution (chi-squared, with and without top-p); at T = 0 output equals
-# target greedy; seeded runs are identical alone and batched; bad settings are ValueErrors.
+# Probabilistic DFlash (v1) drafts (draft_sampling="probabilistic", and the default "auto"; CPU
+# backend): at T > 0 each draft is a Gumbel-max draw from the drafter's softmax(logits / T) on the
+# draft stream, and acceptance is exact rejection sampling against that dense proposal: the
+# emitted token follows the target's distribution (chi-squared, with and without top-p); at T = 0
+# output equals target greedy; seeded runs are identical alone and batched; the default resolves
+# to it for DFlash and to the walk for DFlash2; bad settings are ValueErrors.
 from __future__ import annotations
 
 import json
@@ -70,7 +71,7 @@ def test_probabilistic_drafts_differ_from_greedy_drafts_at_t1(tmp_path, target):
     """The probabilistic mode really samples its drafts: over a few seeded requests at T = 1 its
     drafted tokens are not all the drafter's argmax (which greedy drafting would give)."""
     d = _drafter(tmp_path, target, seed=4, init_std=0.05)
-    greedy = dflash.Session(target, draft=d, device="cpu", num_threads=1)
+    greedy = dflash.Session(target, draft=d, device="cpu", num_threads=1, draft_sampling="greedy")
     prob = dflash.Session(target, draft=d, device="cpu", num_threads=1, draft_sampling="probabilistic")
     params = [dflash.SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in range(6)]
     a = [o.metrics.num_accepted for o in greedy.generate([PROMPTS[0]] * 6, params)]
@@ -78,6 +79,28 @@ def test_probabilistic_drafts_differ_from_greedy_drafts_at_t1(tmp_path, target):
     # Both are exact samplers of the target, so outputs differ only through acceptance; with a
     # broad drafter the sampled drafts are accepted more often than its argmax rows.
     assert sum(b) >= sum(a)
+
+
+def test_the_default_is_probabilistic_for_dflash_and_the_walk_for_dflash2(tmp_path, target):
+    """draft_sampling="auto" (the default): probabilistic DFlash (v1) drafts, the higher tau at
+    T = 1; DFlash2 drafters walk their candidates; stats() names what runs. At T = 0 the default
+    drafts the same tokens as greedy drafting (same output, same acceptance)."""
+    d = _drafter(tmp_path, target, seed=4, init_std=0.05)
+    default = dflash.Session(target, draft=d, device="cpu", num_threads=1)
+    greedy = dflash.Session(target, draft=d, device="cpu", num_threads=1, draft_sampling="greedy")
+    assert default.stats()["draft_sampling"] == "probabilistic"
+    assert greedy.stats()["draft_sampling"] == "greedy"
+    assert dflash.Session(target, device="cpu", num_threads=1).stats()["draft_sampling"] is None
+    params = dflash.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    a, b = default.generate(PROMPTS, params), greedy.generate(PROMPTS, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.metrics.num_accepted for o in a] == [o.metrics.num_accepted for o in b]
+    cfg = json.loads((target / "config.json").read_text())
+    d2 = write_dflash2_drafter(tmp_path / "d2", target_config=cfg, num_layers=1, target_layer_ids=[0, 1],
+                               block_size=4, conv_group_size=8, selector_rank=4, selector_top_k=4)
+    for mode in ("auto", "greedy"):
+        s2 = dflash.Session(target, draft=d2, device="cpu", num_threads=1, draft_sampling=mode)
+        assert s2.stats()["draft_sampling"] == "walk"
 
 
 def test_bad_draft_sampling_settings(tmp_path, target, tiny_model_dirs):

@@ -102,7 +102,7 @@ def test_matches_reference_loop(tmp_path, tiny_model_dirs, hf_model):
 def test_oracle_drafts_full_acceptance_and_exact_max_tokens(tmp_path, tiny_model_dirs):
     target = tiny_model_dirs["llama_gqa"]
     dr = _drafter(tmp_path, target, num_layers=1, target_layer_ids=[0, 1], block_size=8)
-    spec = dflash.Session(target, draft=dr, num_threads=2)
+    spec = dflash.Session(target, draft=dr, num_threads=2, draft_sampling="greedy")
     ar = dflash.Session(target, num_threads=2)
     prompt = _prompts(1, seed=13)[0]
     full = ar.generate([prompt], dflash.SamplingParams(max_tokens=40, stop_token_ids=[]))[0].token_ids
@@ -129,7 +129,7 @@ def test_stop_token_and_eos_inside_an_accepted_run(tmp_path, tiny_model_dirs):
     stop_tok = full[stop_at]
     first = full.index(stop_tok)
     dr = _drafter(tmp_path, base, num_layers=1, target_layer_ids=[0, 1], block_size=8)
-    spec = dflash.Session(base, draft=dr, num_threads=2)
+    spec = dflash.Session(base, draft=dr, num_threads=2, draft_sampling="greedy")
     # A stop token id inside a fully accepted block.
     r = oracle_run(spec, [prompt], [full], max_tokens=30, stop_token_ids=[stop_tok])[0]
     assert list(r.token_ids) == full[:first + 1] and r.finish_reason == "stop"
@@ -142,7 +142,7 @@ def test_stop_token_and_eos_inside_an_accepted_run(tmp_path, tiny_model_dirs):
     eos_full = eos_ar.generate([prompt], dflash.SamplingParams(max_tokens=30))[0]
     assert eos_full.token_ids == full[:first + 1] and eos_full.finish_reason == "stop"
     dr2 = _drafter(tmp_path, eos_target, name="draft2", num_layers=1, target_layer_ids=[0, 1], block_size=8)
-    eos_spec = dflash.Session(eos_target, draft=dr2, num_threads=2)
+    eos_spec = dflash.Session(eos_target, draft=dr2, num_threads=2, draft_sampling="greedy")
     r = oracle_run(eos_spec, [prompt], [full], max_tokens=30)[0]
     assert list(r.token_ids) == full[:first + 1] and r.finish_reason == "stop"
     assert r.metrics.num_accepted >= min(first, 7)
@@ -154,7 +154,7 @@ def test_partially_wrong_oracle_truncates_kv(tmp_path, tiny_model_dirs):
     # Drafts right except every 4th: ragged acceptance, rollback of the rejected K/V.
     target = tiny_model_dirs["llama_gqa"]
     dr = _drafter(tmp_path, target, num_layers=1, target_layer_ids=[0, 1], block_size=8)
-    spec = dflash.Session(target, draft=dr, num_threads=2)
+    spec = dflash.Session(target, draft=dr, num_threads=2, draft_sampling="greedy")
     ar = dflash.Session(target, num_threads=2)
     prompts = _prompts(5, seed=15)
     expect = [o.token_ids for o in ar.generate(prompts, dflash.SamplingParams(max_tokens=32, stop_token_ids=[]))]
@@ -252,7 +252,7 @@ def test_stop_string_inside_an_accepted_run_cuts_tokens_too(tmp_path, tiny_model
     # before it and keeps only the tokens up to the one completing it.
     target = tiny_model_dirs["llama_gqa"]
     dr = _drafter(tmp_path, target, num_layers=1, target_layer_ids=[0, 1], block_size=8)
-    spec = dflash.Session(target, draft=dr, num_threads=2)
+    spec = dflash.Session(target, draft=dr, num_threads=2, draft_sampling="greedy")
     ar = dflash.Session(target, num_threads=2)
     prompt = "the sea"
     params = dflash.SamplingParams(max_tokens=40, stop_token_ids=[])

@@ -3,7 +3,9 @@
 # Exact sampling with speculative decoding: at T = 0.8, with and without top-p, the token
 # decided by the draft–verify acceptance follows the target's own next-token distribution
 # (chi-squared test), both when drafts are mostly rejected (a random drafter) and when the
-# draft is the likeliest token (accepted with probability p(d), via the oracle-draft hook).
+# draft is the likeliest token (accepted with probability p(d), via the oracle-draft hook). The
+# one-hot proposals of draft_sampling="greedy"; the drafter's own distribution as q
+# (the default) is tested in test_dflash_probabilistic.py.
 from __future__ import annotations
 
 import json
@@ -57,7 +59,7 @@ def test_speculative_sampling_matches_target_distribution(tmp_path, tiny_model_d
     cfg = json.loads((target / "config.json").read_text())
     dr = write_dflash_drafter(tmp_path / "d", target_config=cfg, num_layers=1, target_layer_ids=[0, 1],
                               block_size=4, seed=5)
-    spec = dflash.Session(target, draft=dr, num_threads=2)
+    spec = dflash.Session(target, draft=dr, num_threads=2, draft_sampling="greedy")  # one-hot q (oracle drafts too)
     ar = dflash.Session(target, num_threads=2)
     prompt = [17, 42, 99, 7, 250, 31]
     first = 120

@@ -368,6 +368,7 @@ NB_MODULE(_core, m) {
       .def_ro("draft_weight_bytes", &SessionStats::draft_weight_bytes)
       .def_ro("draft_kv_cache_bytes", &SessionStats::draft_kv_cache_bytes)
       .def_ro("num_speculative_tokens", &SessionStats::num_speculative_tokens)
+      .def_ro("draft_sampling", &SessionStats::draft_sampling)
       .def_ro("cuda_graphs", &SessionStats::cuda_graphs)
       .def_ro("graph_batch_sizes", &SessionStats::graph_batch_sizes)
       .def_ro("graph_capture_s", &SessionStats::graph_capture_s)

@@ -113,15 +113,22 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   if (!config.draft_dir.empty()) {
     drafter_ = drafter_create(draft_config, config.draft_dir, *backend_, *model_, model_dir);
   }
-  DFLASH_ARG_CHECK(config.draft_sampling == "greedy" || config.draft_sampling == "probabilistic",
-                   "draft_sampling must be 'greedy' or 'probabilistic', got '", config.draft_sampling, "'");
+  DFLASH_ARG_CHECK(config.draft_sampling == "auto" || config.draft_sampling == "greedy" ||
+                       config.draft_sampling == "probabilistic",
+                   "draft_sampling must be 'auto', 'greedy' or 'probabilistic', got '", config.draft_sampling, "'");
   if (config.draft_sampling == "probabilistic") {
     DFLASH_ARG_CHECK(drafter_ != nullptr, "draft_sampling='probabilistic' needs a draft model");
+  }
+  if (drafter_) {
     auto* v1 = dynamic_cast<DFlashDrafter*>(drafter_.get());
-    DFLASH_ARG_CHECK(v1 != nullptr && draft_config.arch == DraftArch::kDFlash, config.draft_dir,
+    const bool is_v1 = v1 != nullptr && draft_config.arch == DraftArch::kDFlash;
+    DFLASH_ARG_CHECK(is_v1 || config.draft_sampling != "probabilistic", config.draft_dir,
                      ": draft_sampling='probabilistic' applies to DFlash (v1) drafters; a DFlash2 drafter walks its "
                      "candidates (greedy at temperature 0, sampled above)");
-    v1->set_probabilistic(true);
+    // "auto": probabilistic DFlash drafts, the higher acceptance at T = 1 (identical drafts at T = 0).
+    const bool probabilistic = is_v1 && config.draft_sampling != "greedy";
+    if (probabilistic) v1->set_probabilistic(true);
+    draft_sampling_ = !is_v1 ? "walk" : probabilistic ? "probabilistic" : "greedy";
   }
   if (config.draft_head == "fp8") {
     auto* v2 = dynamic_cast<DFlash2Drafter*>(drafter_.get());
@@ -250,6 +257,7 @@ SessionStats Session::stats() const {
     s.draft_weight_bytes = static_cast<int64_t>(drafter_->weight_bytes());
     s.draft_kv_cache_bytes = static_cast<int64_t>(draft_pool_.k.nbytes() + draft_pool_.v.nbytes());
     s.num_speculative_tokens = engine_->num_spec_tokens();
+    s.draft_sampling = draft_sampling_;
   }
   return s;
 }

@@ -31,9 +31,10 @@ struct SessionConfig {
   double gpu_memory_utilization = 0.9;  // CUDA: fraction of GPU memory this session may use
   bool cuda_graphs = true;             // CUDA: replay decode steps from captured graphs
   bool async_decode = false;           // pipelined target-only decoding (EngineOptions::async_decode)
-  // DFlash (v1) drafts: "greedy" (argmax, one-hot proposals) or "probabilistic" (sampled from the
-  // drafter's distribution at T > 0 and verified against it).
-  std::string draft_sampling = "greedy";
+  // DFlash (v1) drafts: "greedy" (argmax, one-hot proposals), "probabilistic" (sampled from the
+  // drafter's distribution at T > 0 and verified against it; the argmax at T = 0) or "auto"
+  // (probabilistic for DFlash drafters; DFlash2 drafters always walk their candidates).
+  std::string draft_sampling = "auto";
   // DFlash2 candidates: "exact" (the top-K of the target's LM head) or "fp8" (picked on an e4m3
   // copy of the LM head made at load, then re-scored and re-sorted on the exact head; only the
   // choice of candidates is approximate, verification is unchanged).
@@ -67,6 +68,7 @@ struct SessionStats {
   int64_t draft_weight_bytes = 0;
   int64_t draft_kv_cache_bytes = 0;
   int64_t num_speculative_tokens = 0;  // 0 without a drafter
+  std::string draft_sampling;          // "greedy", "probabilistic" or "walk" (DFlash2); "" without a drafter
   bool cuda_graphs = false;            // decode steps replay captured CUDA graphs
   std::vector<int64_t> graph_batch_sizes;  // padded batch sizes of the decode programs
   double graph_capture_s = 0.0;        // time spent capturing them at start-up
@@ -102,6 +104,7 @@ class Session {
   std::unique_ptr<BlockAllocator> allocator_;
   KVPool pool_;
   std::unique_ptr<Drafter> drafter_;
+  std::string draft_sampling_;  // resolved: SessionStats::draft_sampling
   KVPool draft_pool_;
   std::unique_ptr<Engine> engine_;
   int64_t max_model_len_ = 0;

@@ -376,7 +376,7 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
         "drafter_config": drafter_info,
         "settings": {
             "datasets": names, "temperatures": temps, "limits": limits, "max_tokens": args.max_tokens,
-            "seed": args.seed, "device": stats["device"], "batch_size": 1, "draft_sampling": args.draft_sampling,
+            "seed": args.seed, "device": stats["device"], "batch_size": 1, "draft_sampling": stats["draft_sampling"],
             "draft_head": args.draft_head,
             "num_speculative_tokens": stats["num_speculative_tokens"], "max_model_len": max_len,
             "top_p": 1.0, "top_k": 0, "chat_template": use_chat, "enable_thinking": args.enable_thinking,
@@ -477,8 +477,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=0, help="default: the drafter's block_size - 1")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all)")
-    p.add_argument("--draft-sampling", default="greedy", choices=["greedy", "probabilistic"],
-                   help="DFlash (v1) drafts: argmax (default) or sampled from the drafter at T > 0")
+    p.add_argument("--draft-sampling", default="auto", choices=["auto", "greedy", "probabilistic"],
+                   help="DFlash (v1) drafts: sampled from the drafter at T > 0 (auto, the default, and "
+                        "probabilistic) or the argmax at every temperature (greedy)")
     p.add_argument("--draft-head", default="exact", choices=["exact", "fp8"],
                    help="DFlash2 drafters: the LM head that picks the K candidates (exact, or its FP8 copy)")
     p.add_argument("--seed", type=int, default=0, help="base of the per-request seeds")

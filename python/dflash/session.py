@@ -83,11 +83,13 @@ class Session:
         drafter on CUDA and none on the CPU; with a model_dir, none (`dflash generate --draft`
         follows the same rule).
     num_speculative_tokens: draft tokens per step, 1..block_size-1 (default block_size-1).
-    draft_sampling: DFlash (v1) drafts, "greedy" (default: the argmax of each draft row, verified
-        as one-hot proposals) or "probabilistic" (at temperature > 0 each draft is sampled from
-        the drafter's softmax(logits / T) on its own random stream and verified by exact
-        rejection sampling against that distribution). DFlash2 drafters always walk their
-        candidates (greedy at T = 0, sampled at T > 0).
+    draft_sampling: DFlash (v1) drafts: "probabilistic" (at temperature > 0 each draft is sampled
+        from the drafter's softmax(logits / T) on its own random stream and verified by exact
+        rejection sampling against that distribution; the argmax at T = 0), "greedy" (the argmax
+        of each draft row at every temperature, verified as one-hot proposals) or "auto"
+        (default: probabilistic, which accepts more drafts at T > 0). DFlash2 drafters always
+        walk their candidates (greedy at T = 0, sampled at T > 0); "probabilistic" with one is a
+        ValueError. `stats()["draft_sampling"]` names what runs.
     draft_head: DFlash2 drafters only, how each draft slot's K candidates are picked: "exact"
         (default: the top-K of the target's LM head) or "fp8" (the top-K of an FP8 e4m3 copy of
         the LM head with one scale per vocabulary row, made once at load, which reads half the
@@ -116,7 +118,7 @@ class Session:
         *,
         draft: Optional[Union[str, os.PathLike]] = None,
         num_speculative_tokens: Optional[int] = None,
-        draft_sampling: str = "greedy",
+        draft_sampling: str = "auto",
         draft_head: str = "exact",
         device: str = "auto",
         max_model_len: Optional[int] = None,
@@ -143,9 +145,9 @@ class Session:
             if not os.path.isdir(draft):
                 raise ValueError(f"draft model directory not found: {draft}")
             config.draft_dir = draft
-        if draft_sampling not in ("greedy", "probabilistic"):
-            raise ValueError(f"draft_sampling must be 'greedy' or 'probabilistic', got {draft_sampling!r}")
-        if draft_sampling != "greedy" and draft is None:
+        if draft_sampling not in ("auto", "greedy", "probabilistic"):
+            raise ValueError(f"draft_sampling must be 'auto', 'greedy' or 'probabilistic', got {draft_sampling!r}")
+        if draft_sampling == "probabilistic" and draft is None:
             raise ValueError("draft_sampling='probabilistic' needs a draft model (draft=...)")
         config.draft_sampling = draft_sampling
         if draft_head not in ("exact", "fp8"):
@@ -452,6 +454,7 @@ class Session:
             "draft_weight_bytes": s.draft_weight_bytes,
             "draft_kv_cache_bytes": s.draft_kv_cache_bytes,
             "num_speculative_tokens": s.num_speculative_tokens,
+            "draft_sampling": s.draft_sampling or None,
             "num_spec_steps": e.num_spec_steps,
             "num_drafted": e.num_drafted,
             "num_accepted": e.num_accepted,

@@ -166,7 +166,7 @@ def test_speculative_sampling_chi_squared_on_gpu(tiny_model_dirs, tmp_path):
     target = tiny_model_dirs["llama_hd64"]
     cfg = json.loads((target / "config.json").read_text())
     dr = write_dflash_drafter(tmp_path / "d", target_config=cfg, num_layers=1, target_layer_ids=[0, 1], block_size=4)
-    spec = dflash.Session(target, draft=dr, device="cuda")
+    spec = dflash.Session(target, draft=dr, device="cuda", draft_sampling="greedy")  # oracle drafts: one-hot q
     prompt, first, T = [17, 42, 99, 7, 250, 31], 120, 0.8
     ar_gpu = dflash.Session(target, device="cuda")  # the distribution the GPU target defines
     for top_p in (1.0, 0.8):
