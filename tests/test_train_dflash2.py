@@ -259,3 +259,27 @@ def _check_selector_rule(tm, base, batch, anchors, keep):
             assert st["selector_num"] == 0.0 and st["recall_hits"] == sum(st["correct"])
         else:
             assert 0 < int(miss.sum()) < labels.numel()  # both branches of the rule occur
+
+
+def test_top_k_lowest_index_equals_the_full_stable_sort():
+    """The trainer's candidate top-K (topk of K + spare, then a stable re-sort; full sort where a
+    tie group reaches past the spare values) equals the stable full sort bit for bit, ties
+    broken by the lower id, also when most values tie (integer and bf16-rounded logits), and
+    passes gradients to the picked logits."""
+    from dflash.train.objective import top_k_lowest_index
+
+    gen = torch.Generator().manual_seed(3)
+    cases = [torch.randint(0, 4, (64, 300), generator=gen).float(),  # tie groups far past K + spare
+             torch.randn(64, 997, generator=gen).bfloat16().float(),  # bf16 logits: ties common
+             torch.randn(64, 40, generator=gen)]  # K + spare >= V: the full sort
+    cases[1][:8, :] = 1.5  # whole rows equal
+    for logits in cases:
+        for k in (1, 4, 16, 24):
+            vals, ids = top_k_lowest_index(logits, k)
+            ref = torch.sort(logits, dim=-1, descending=True, stable=True)
+            assert torch.equal(ids, ref.indices[:, :k]) and torch.equal(vals, ref.values[:, :k])
+    x = cases[1].clone().requires_grad_(True)
+    vals, ids = top_k_lowest_index(x, 16)
+    vals.sum().backward()
+    expect = torch.zeros_like(x).scatter_(1, ids, 1.0)
+    assert torch.equal(x.grad, expect)

@@ -172,8 +172,35 @@ def _ce_rows(h: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias: 
     ce, pred = F.cross_entropy(logits, labels, reduction="none"), logits.argmax(dim=-1)
     if top_k <= 0:
         return ce, pred
-    values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
-    return ce, pred, values[:, :top_k], ids[:, :top_k], logits.gather(1, labels[:, None])[:, 0]
+    values, ids = top_k_lowest_index(logits, top_k)
+    return ce, pred, values, ids, logits.gather(1, labels[:, None])[:, 0]
+
+
+def top_k_lowest_index(logits: torch.Tensor, k: int, spare: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, V] -> (values [n, k], ids [n, k]): the k largest, largest first, the lower id
+    first among equal values (the runtime's rule), without sorting the whole vocabulary.
+
+    torch.topk breaks ties in no stated order, so it takes k + spare values and a stable sort by
+    (value, id) orders them; that is exact unless the tie group of the k-th value reaches the
+    last value taken (then ids outside the taken set may tie with it), and those rows take the
+    full stable sort.  The outputs own their memory (no view of an [n, V] tensor)."""
+    v = logits.shape[-1]
+    m = min(v, int(k) + int(spare))
+    if m >= v:
+        s = torch.sort(logits, dim=-1, descending=True, stable=True)
+        return s.values[:, :k].contiguous(), s.indices[:, :k].contiguous()
+    vals, ids = torch.topk(logits, m, dim=-1)
+    last = vals[:, -1]  # the m-th largest value
+    ids, order = torch.sort(ids, dim=-1)  # by id, then stably by value: lower id first among ties
+    vals, order = torch.sort(vals.gather(1, order), dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, order)
+    vals, ids = vals[:, :k].contiguous(), ids[:, :k].contiguous()
+    tied = torch.nonzero(vals[:, k - 1] <= last).flatten()
+    if tied.numel():
+        s = torch.sort(logits[tied], dim=-1, descending=True, stable=True)
+        vals = vals.index_put((tied,), s.values[:, :k])
+        ids = ids.index_put((tied,), s.indices[:, :k])
+    return vals, ids
 
 
 @dataclass
