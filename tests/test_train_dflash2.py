@@ -164,7 +164,9 @@ def test_compact_state_bf16_sdpa_time_budget_and_eval(target, dataset, tmp_path)
     kw = dict(steps=3, batch_size=4, num_anchors=8, amp="bf16", attention="sdpa", sdpa_group_blocks=2,
               state_format="int8", holdout=2)
     first = T.train(_v2_config(target, tmp_path / "a", dataset, **kw), log=None, stop_after_steps=2)
-    assert first["step"] == 2 and set(first["eval"]) >= {"selector_loss", "unary_recall_at_k", "selector_acc"}
+    assert first["step"] == 2 and set(first["eval"]) >= {"selector_loss", "unary_recall_at_k", "selector_acc",
+                                                         "target_mass_at_k"}
+    assert 0.0 < first["eval"]["target_mass_at_k"] <= 1.0
     state = json.loads((tmp_path / "a" / "checkpoint" / "state.json").read_text())
     assert "candidate_selector.successor_codebook" in state["param_names"]
     assert state["payload"]["drafter_config"]["arch"] == "dflash2"
@@ -230,6 +232,26 @@ def test_selector_loss_rule_at_init(target, dataset, hf_model):
     anchors, keep = O.eval_anchors(batch, 16)
     with torch.no_grad():
         _check_selector_rule(tm, base, batch, anchors, keep)
+        _check_target_mass(tm, base, batch, anchors, keep)
+
+
+def _check_target_mass(tm, base, batch, anchors, keep):
+    """target mass@K (evaluation): the target's softmax at each slot's predecessor position,
+    summed over the slot's unary top-K, equals the same from the target's full logits."""
+    from dflash.train import objective as O
+    from dflash.train.dflash2_objective import dflash2_loss
+
+    cfg = DrafterConfig.from_dict({**base.to_dict(), "arch": "dflash2", "selector_rank": 8, "selector_top_k": 8})
+    model = DFlash2Drafter(cfg, *frozen_target_tensors(tm))
+    model.reset_parameters(0, std=0.3)
+    _, st = dflash2_loss(model, tm, batch, anchors, keep, gamma=2.0, target_mass=True, chunk_rows=7)
+    t = O.unary_terms(model, tm, batch, anchors, keep, gamma=2.0, top_k=8)
+    probs = torch.softmax(tm(input_ids=batch.input_ids).logits.float(), dim=-1)  # [b, S, V]
+    seq = torch.nonzero(t.supervised)[:, 0]
+    pos = t.blocks["block_pos"][t.supervised] - 1
+    mass = probs[seq, pos].gather(1, t.top_ids).sum(-1)
+    assert 0 < float(mass.mean()) < 1
+    assert abs(st["target_mass_num"] - float(mass.sum())) < 1e-3 * max(1.0, float(mass.sum()))
 
 
 def _check_selector_rule(tm, base, batch, anchors, keep):

@@ -15,10 +15,10 @@
 #   * the same position weights as the unary term, normalised by the same sum.
 # Statistics (besides the DFlash ones): unary recall@K (true token in the unary top-K),
 # teacher-forced selector accuracy (argmax of the K scores is the true token, with the
-# injection), the unary and selector loss numerators.  Target mass@K is not computed:
-# the trainer holds the target's tapped features, not its logits at every position
-# (the data's responses are the target's own greedy tokens, so recall@K of the true
-# token is the available measure).
+# injection), the unary and selector loss numerators, and (with target_mass=True, the
+# held-out evaluation: it costs a second target forward) target mass@K, the target's
+# probability of the unary top-K at each slot, softmax of the target's logits at the
+# slot's predecessor position (T = 1).
 from __future__ import annotations
 
 import math
@@ -43,6 +43,7 @@ def dflash2_loss(
     alpha: float = 1.0,
     chunk_rows: int = 8192,
     feats: torch.Tensor | None = None,
+    target_mass: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """(unary loss + alpha * selector loss, stats); stats["loss_num"] is the total's numerator."""
     k = int(drafter.config.selector_top_k)
@@ -73,6 +74,36 @@ def dflash2_loss(
         st["recall_hits"] = int(recalled.sum())
         st["selector_correct"] = int((scores.argmax(dim=-1) == index).sum())
         st["selector_rows"] = int(labels.numel())
+        if target_mass:
+            st["target_mass_num"] = float(_target_mass(target_model, batch, t.supervised, t.blocks["block_pos"],
+                                                       t.top_ids, chunk_rows).sum())
     if not math.isfinite(st["loss_num"]):
         st["nonfinite"] = True
     return loss, st
+
+
+@torch.no_grad()
+def _target_mass(target_model: Any, batch: Batch, supervised: torch.Tensor, block_pos: torch.Tensor,
+                 cand: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """[n] the target's probability (softmax of its logits, T = 1) of each supervised slot's
+    K candidates cand [n, K]; slot k of the block at anchor a is predicted from position a+k-1."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def keep(_m: Any, _a: Any, out: Any) -> None:
+        captured["final"] = out[0] if isinstance(out, tuple) else out
+
+    handle = target_model.model.norm.register_forward_hook(keep)
+    try:
+        target_model(input_ids=batch.input_ids, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    final = captured["final"]  # [b, S, H] after the final norm
+    seq = torch.nonzero(supervised)[:, 0]  # [n] the row's sequence (supervised is [b, N, B])
+    pos = block_pos[supervised] - 1  # [n] the predecessor position
+    head = target_model.get_output_embeddings()
+    parts = []
+    for i in range(0, seq.numel(), max(1, int(chunk_rows))):
+        h = final[seq[i:i + chunk_rows], pos[i:i + chunk_rows]]
+        p = torch.softmax(head(h).float(), dim=-1)
+        parts.append(p.gather(1, cand[i:i + chunk_rows]).sum(dim=-1))
+    return torch.cat(parts) if parts else cand.new_zeros(0, dtype=torch.float32)

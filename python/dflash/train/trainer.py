@@ -345,11 +345,12 @@ _ARCHS = ("dflash", "dflash2")
 
 
 def _loss(drafter: DFlashDrafter, target: Any, batch: Any, anchors: torch.Tensor, keep: torch.Tensor,
-          cfg: TrainConfig, gamma: float | None) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The objective of the drafter's architecture: DFlash, or DFlash + alpha * selector."""
+          cfg: TrainConfig, gamma: float | None, target_mass: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The objective of the drafter's architecture: DFlash, or DFlash + alpha * selector
+    (target_mass: also the target's mass on the candidates, evaluation only)."""
     if drafter.config.arch == "dflash2":
         return dflash2_loss(drafter, target, batch, anchors, keep, gamma=gamma, alpha=cfg.selector_alpha,
-                            chunk_rows=cfg.ce_chunk_rows)
+                            chunk_rows=cfg.ce_chunk_rows, target_mass=target_mass)
     return dflash_loss(drafter, target, batch, anchors, keep, gamma=gamma, chunk_rows=cfg.ce_chunk_rows)
 
 
@@ -378,8 +379,9 @@ class _Window:
         self.correct = [a + b for a, b in zip(self.correct, st["correct"])]
         self.total = [a + b for a, b in zip(self.total, st["total"])]
         if "selector_num" in st:
-            for k in _DFLASH2_SUMS:
-                self.v2[k] = self.v2.get(k, 0.0) + st[k]
+            for k in _DFLASH2_SUMS + ("target_mass_num",):
+                if k in st:
+                    self.v2[k] = self.v2.get(k, 0.0) + st[k]
         self.steps += 1
         if grad_norm is None:
             self.skipped += 1
@@ -395,6 +397,8 @@ class _Window:
                   "selector_loss": self.v2["selector_num"] / max(self.den, 1e-12),
                   "unary_recall_at_k": self.v2["recall_hits"] / n, "selector_acc": self.v2["selector_correct"] / n,
                   "acc_head": "unary"}
+            if "target_mass_num" in self.v2:
+                v2["target_mass_at_k"] = self.v2["target_mass_num"] / n
         return v2 | {
             "loss": self.num / max(self.den, 1e-12),
             "acc": [round(c / t, 5) if t else None for c, t in zip(self.correct, self.total)],
@@ -419,11 +423,12 @@ def evaluate(drafter: DFlashDrafter, target: Any, examples: list[tuple[list[int]
         batch = collate(examples[i:i + cfg.batch_size])
         anchors, keep = eval_anchors(batch, cfg.num_anchors)
         with _autocast(device, amp):
-            _, st = _loss(drafter, target, batch.to(device), anchors, keep, cfg, gamma)
+            _, st = _loss(drafter, target, batch.to(device), anchors, keep, cfg, gamma, target_mass=True)
         w.add(st, 0.0)
     drafter.train(was_training)
     row = w.row()
-    keys = ("loss", "acc", "sim_al", "unary_loss", "selector_loss", "unary_recall_at_k", "selector_acc", "acc_head")
+    keys = ("loss", "acc", "sim_al", "unary_loss", "selector_loss", "unary_recall_at_k", "target_mass_at_k",
+            "selector_acc", "acc_head")
     return {k: row[k] for k in keys if k in row} | {"rows": len(examples)}
 
 
