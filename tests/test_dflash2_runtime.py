@@ -140,14 +140,15 @@ def test_candidates_are_the_lm_head_top_k_with_multiplier_and_cap(tmp_path, targ
 N = 2000
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_k_candidate_sampling_matches_target_distribution(tmp_path, target, top_p):
+@pytest.mark.parametrize("top_p, draft_sampling", [(1.0, "auto"), (0.8, "auto"), (1.0, "greedy")])
+def test_k_candidate_sampling_matches_target_distribution(tmp_path, target, top_p, draft_sampling):
+    # draft_sampling="greedy": the argmax walk at T > 0, proposed one-hot, must be exact too.
     # A large K relative to the tiny vocabulary and nearly flat scores (a small output multiplier
     # and small codebooks), so q is spread over most of the vocabulary and drafts are accepted
     # often enough that both branches of the rejection sampler are exercised.
     d = small_dflash2(tmp_path, target, block_size=4, selector_top_k=256, seed=5, init_std=0.02,
                  output_multiplier=1e-3)
-    spec = dflash.Session(target, draft=d, device="cpu", num_threads=2)
+    spec = dflash.Session(target, draft=d, device="cpu", num_threads=2, draft_sampling=draft_sampling)
     ar = dflash.Session(target, device="cpu", num_threads=2)
     prompt, first, T = [17, 42, 99, 7, 250, 31], 120, 0.8
     probs = _target_probs(ar, prompt, first, T, top_p)
@@ -155,9 +156,12 @@ def test_k_candidate_sampling_matches_target_distribution(tmp_path, target, top_
     second = np.array([r.token_ids[1] for r in results])
     chi2, dof, ok = _chi2_ok(second, probs)
     accepted = sum(r.metrics.num_accepted > 0 for r in results)
-    print(f"DFlash2 top_p={top_p}: chi2={chi2:.1f} dof={dof} first drafts accepted {accepted} / {N}")
+    print(f"DFlash2 {draft_sampling} top_p={top_p}: chi2={chi2:.1f} dof={dof} first drafts accepted {accepted} / {N}")
     assert ok, (chi2, dof)
-    assert accepted >= 10  # the acceptance branch ran, not only the residual one
+    if draft_sampling == "auto":
+        assert accepted >= 10  # the acceptance branch ran, not only the residual one
+    # (the greedy walk drafts one fixed token here, of target probability ~ 1/V: it is rarely
+    # accepted, so this case checks the residual branch of one-hot candidate proposals)
     assert_no_leaks(spec)
 
 
@@ -172,3 +176,22 @@ def test_seeded_sampling_is_identical_alone_and_batched(tmp_path, target):
     again = [o.token_ids for o in spec.generate(PROMPTS, params)]
     assert again == batched
     assert_no_leaks(spec)
+
+
+def test_greedy_walk_drafts_the_argmax_walk_one_hot(tmp_path, target):
+    """draft_sampling="greedy" with a DFlash2 drafter: the same drafts as the default walk at
+    T = 0 (propose), realized rows one-hot at the walked candidate (0 there, -inf elsewhere), and
+    the same greedy output (its exactness at T > 0: the chi-squared test above)."""
+    d = small_dflash2(tmp_path, target, block_size=5, selector_top_k=16)
+    walk = dflash.Session(target, draft=d, device="cpu", num_threads=2)
+    greedy = dflash.Session(target, draft=d, device="cpu", num_threads=2, draft_sampling="greedy")
+    assert greedy.stats()["draft_sampling"] == "greedy_walk"
+    for prompt in PROMPTS[:3]:
+        a, b = walk.propose_details(prompt), greedy.propose_details(prompt)
+        assert np.array_equal(a["draft_ids"], b["draft_ids"])
+        realized = np.asarray(b["realized"]).reshape(-1, b["k"])
+        for s, tok in enumerate(b["draft_ids"]):
+            idx = int(np.argmax(b["candidate_ids"][s] == tok))
+            assert realized[s, idx] == 0.0 and np.all(np.isneginf(np.delete(realized[s], idx)))
+    assert greedy_ids(walk, PROMPTS, 12) == greedy_ids(greedy, PROMPTS, 12)
+    assert_no_leaks(greedy)

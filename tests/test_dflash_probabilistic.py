@@ -98,9 +98,9 @@ def test_the_default_is_probabilistic_for_dflash_and_the_walk_for_dflash2(tmp_pa
     cfg = json.loads((target / "config.json").read_text())
     d2 = write_dflash2_drafter(tmp_path / "d2", target_config=cfg, num_layers=1, target_layer_ids=[0, 1],
                                block_size=4, conv_group_size=8, selector_rank=4, selector_top_k=4)
-    for mode in ("auto", "greedy"):
+    for mode, runs in (("auto", "walk"), ("greedy", "greedy_walk")):
         s2 = dflash.Session(target, draft=d2, device="cpu", num_threads=1, draft_sampling=mode)
-        assert s2.stats()["draft_sampling"] == "walk"
+        assert s2.stats()["draft_sampling"] == runs
 
 
 def test_bad_draft_sampling_settings(tmp_path, target, tiny_model_dirs):

@@ -15,7 +15,7 @@ namespace g = gen;
 
 using WalkLaunch = CUresult (*)(CUfunction, CUstream, unsigned, unsigned, unsigned, CUdeviceptr,
                                 CUdeviceptr, CUdeviceptr, CUdeviceptr, CUdeviceptr, int32_t,
-                                int32_t);
+                                int32_t, int32_t);
 
 struct WalkKernel {
   int id, block_k;
@@ -54,7 +54,7 @@ CUresult lattice_walk(const Modules& m, cudaStream_t stream, const LatticeWalkAr
     if (kernel.block_k < a.k) continue;
     return kernel.launch(m.function(kernel.id), stream, static_cast<unsigned>(a.num_reqs), 1, 1,
                          dptr(a.edges), dptr(a.ids), dptr(a.params), dptr(a.drafts),
-                         dptr(a.realized), a.slots, a.k);
+                         dptr(a.realized), a.slots, a.k, a.greedy_walk ? 1 : 0);
   }
   return CUDA_ERROR_INVALID_VALUE;  // unreachable: k <= kMaxK
 }

@@ -29,6 +29,9 @@ struct LatticeWalkArgs {
   int32_t* drafts = nullptr;
   float* realized = nullptr;
   int32_t num_reqs = 0, slots = 0, k = 0;
+  // The greedy walk at every temperature (argmax as at T <= 0), with realized one-hot: 0 at the
+  // walked candidate, -inf elsewhere (q = softmax(realized / T) puts all its mass on the draft).
+  bool greedy_walk = false;
 };
 
 // Largest k lattice_walk() supports (the largest compiled BLOCK_K).

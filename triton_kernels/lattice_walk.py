@@ -77,6 +77,7 @@ def lattice_walk_kernel(
         drafts_ptr,  # int32 [R, S]
         realized_ptr,  # fp32 [R, S, K]
         num_slots, k,  # i32: S, K (1 <= K <= BLOCK_K)
+        greedy_walk,  # i32: 1 = the greedy walk at every temperature, realized one-hot (0 / -inf)
         BLOCK_K: tl.constexpr):
     gdc_wait()
     gdc_launch_dependents()
@@ -90,7 +91,7 @@ def lattice_walk_kernel(
     seed_hi = tl.load(p + 4).to(tl.uint32, bitcast=True)
     pos_lo = tl.load(p + 6).to(tl.uint32, bitcast=True)
     position = (tl.load(p + 7).to(tl.int64) << 32) | pos_lo.to(tl.int64)
-    greedy = temperature <= 0.0  # as on the host, a NaN temperature samples
+    greedy = (temperature <= 0.0) | (greedy_walk != 0)  # as on the host, a NaN temperature samples
     temperature64 = temperature.to(tl.float64)
 
     prev = tl.zeros((), tl.int32)
@@ -98,7 +99,6 @@ def lattice_walk_kernel(
         slot = b * num_slots + s  # row of ids, drafts and realized
         row = tl.load(edges_ptr + (slot * k + prev) * k + lane, mask=in_row, other=0.0)
         cand = tl.load(ids_ptr + slot * k + lane, mask=in_row, other=0)
-        tl.store(realized_ptr + slot * k + lane, row, mask=in_row)
         idx = _first_max(tl.where(in_row & (row == row), row, float("-inf")), lane, BLOCK_K)
         if greedy == 0:
             pos = position + s  # the counter takes it as uint64: its two 32-bit halves
@@ -114,5 +114,9 @@ def lattice_walk_kernel(
                 first_nan = tl.max(tl.where((lane == first) & (g != g), 1, 0), axis=0)
                 best = _first_max(tl.where(valid & (g == g), g, float("-inf")), lane, BLOCK_K)
                 idx = tl.where(first_nan > 0, first, best)
+        if greedy_walk != 0:  # q one-hot on the walked candidate at any temperature
+            tl.store(realized_ptr + slot * k + lane, tl.where(lane == idx, 0.0, float("-inf")), mask=in_row)
+        else:
+            tl.store(realized_ptr + slot * k + lane, row, mask=in_row)
         tl.store(drafts_ptr + slot, tl.sum(tl.where(lane == idx, cand, 0), axis=0))
         prev = idx

@@ -123,7 +123,7 @@ KERNELS: tuple[KernelSpec, ...] = (
 # candidates per slot in registers; lattice_walk.cpp launches the smallest BLOCK_K >= K.
 _WALK_PARAMS = (
     ("edges_ptr", _F32P), ("ids_ptr", _I32P), ("params_ptr", _I32P), ("drafts_ptr", _I32P),
-    ("realized_ptr", _F32P), ("num_slots", "i32"), ("k", "i32"),
+    ("realized_ptr", _F32P), ("num_slots", "i32"), ("k", "i32"), ("greedy_walk", "i32"),
 )
 WALK_BLOCK_KS = (4, 8, 16, 32, 64)
 

@@ -259,9 +259,11 @@ class Backend {
   // each slot s, row = edges[b, s, prev, :]; at temperature 0 idx = argmax(row) (lowest index on
   // ties, NaN as -inf), else idx = argmax(row / T + Gumbel) with the noise keyed by (seed,
   // position + s, candidate id) on the draft stream; drafts[b, s] = ids[b, s, idx],
-  // realized[b, s, :] = row (the proposal q = softmax(row / T)); prev = idx.
-  virtual void lattice_walk(const Tensor& edges, const Tensor& ids, const Tensor& params, Tensor& drafts,
-                            Tensor& realized) {
+  // realized[b, s, :] = row (the proposal q = softmax(row / T)); prev = idx. greedy_walk: the
+  // argmax walk at every temperature, realized[b, s, :] one-hot (0 at idx, -inf elsewhere: q puts
+  // all its mass on the draft, so acceptance is the one-hot rule).
+  virtual void lattice_walk(const Tensor& edges, const Tensor& ids, const Tensor& params, bool greedy_walk,
+                            Tensor& drafts, Tensor& realized) {
     unsupported("lattice_walk");
   }
   // accept() with the drafter's proposal: q[b, j] = softmax(realized[b, j, :] / T) over ids[b, j, :]

@@ -175,7 +175,7 @@ void triton_lattice_walk(const CudaF32& edges, const CudaI32& ids, std::optional
                          std::optional<std::vector<float>> temperature,
                          std::optional<std::vector<uint64_t>> seed,
                          std::optional<std::vector<int64_t>> position,
-                         std::optional<uintptr_t> stream) {
+                         std::optional<uintptr_t> stream, bool greedy_walk) {
   DFLASH_ARG_CHECK(edges.ndim() == 4 && ids.ndim() == 3 && drafts.ndim() == 2 &&
                        realized.ndim() == 3,
                    "lattice_walk: edges [R, S, K, K], ids [R, S, K], drafts [R, S], "
@@ -216,6 +216,7 @@ void triton_lattice_walk(const CudaF32& edges, const CudaI32& ids, std::optional
   a.num_reqs = static_cast<int32_t>(r);
   a.slots = static_cast<int32_t>(s);
   a.k = static_cast<int32_t>(k);
+  a.greedy_walk = greedy_walk;
 
   const dflash::triton_aot::Modules& modules = test_modules();
   nb::gil_scoped_release release;
@@ -255,12 +256,13 @@ void bind_triton_testing(nb::module_& testing) {
   testing.def("triton_lattice_walk", &triton_lattice_walk, "edges"_a, "ids"_a,
               "params"_a.none(), "drafts"_a, "realized"_a,
               "temperature"_a.none() = nb::none(), "seed"_a.none() = nb::none(),
-              "position"_a.none() = nb::none(), "stream"_a.none() = nb::none(),
+              "position"_a.none() = nb::none(), "stream"_a.none() = nb::none(), "greedy_walk"_a = false,
               "AOT Triton DFlash2 lattice walk over torch CUDA tensors: edges [R, S, K, K] fp32, "
               "ids [R, S, K] int32 -> drafts [R, S] int32, realized [R, S, K] fp32. params: R "
               "SampleParamsPacked (uint8 / int32 CUDA tensor of R * 32 bytes), or None and the "
               "lists temperature, seed, position (of the first draft). stream: launch there and "
-              "return; None: legacy default stream, synchronised. ValueError when k is outside "
+              "return; None: legacy default stream, synchronised. greedy_walk: the argmax walk at "
+              "every temperature, realized one-hot (0 at the draft, -inf elsewhere). ValueError when k is outside "
               "[1, triton_lattice_walk_max_k()].");
   testing.def("triton_lattice_walk_max_k", &dflash::triton_aot::lattice_walk_max_k,
               "Largest K of the lattice walk.");

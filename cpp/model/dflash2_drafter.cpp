@@ -135,7 +135,7 @@ void DFlash2Drafter::propose(const DeviceBatch& batch, KVPool& pool, const Tenso
   Tensor edges = !out.edges.shape.empty() ? out.edges : backend_.empty({r, n, k, k}, DType::kF32);
   backend_.edge_scores(ids, unary.reshape({r, n, k}), gate.reshape({r, n, c.selector_rank}), anchors,
                        pred_codebook_, succ_codebook_, edges);
-  backend_.lattice_walk(edges, ids, params, out.drafts, out.realized);
+  backend_.lattice_walk(edges, ids, params, greedy_walk_, out.drafts, out.realized);
 }
 
 }  // namespace dflash

@@ -30,6 +30,9 @@ class DFlash2Drafter : public DFlashDrafter {
   // weight_bytes()); propose() then picks candidates on it and re-scores them exactly. Throws
   // Error, naming this drafter and the backend, when the backend cannot run the FP8 head.
   void set_draft_head_fp8();
+  // draft_sampling="greedy": the argmax walk at every temperature, proposed one-hot (realized rows
+  // 0 at the draft, -inf elsewhere), so T > 0 verification accepts a draft with p(draft).
+  void set_greedy_walk(bool on) { greedy_walk_ = on; }
 
  protected:
   Tensor backbone(const DeviceBatch& batch, KVPool& pool) override;
@@ -52,6 +55,7 @@ class DFlash2Drafter : public DFlashDrafter {
   Tensor succ_codebook_;      // B [V, r]
   Tensor hidden_projection_;  // [r, H]
   Fp8Weight fp8_head_;        // the LM head's FP8 copy [V, H] (empty: candidates on the exact head)
+  bool greedy_walk_ = false;  // the argmax walk at every temperature (draft_sampling="greedy")
 };
 
 }  // namespace dflash

@@ -124,11 +124,18 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
     const bool is_v1 = v1 != nullptr && draft_config.arch == DraftArch::kDFlash;
     DFLASH_ARG_CHECK(is_v1 || config.draft_sampling != "probabilistic", config.draft_dir,
                      ": draft_sampling='probabilistic' applies to DFlash (v1) drafters; a DFlash2 drafter walks its "
-                     "candidates (greedy at temperature 0, sampled above)");
-    // "auto": probabilistic DFlash drafts, the higher acceptance at T = 1 (identical drafts at T = 0).
+                     "candidates (sampled at temperature > 0 by default, draft_sampling='greedy' for the argmax walk)");
+    // "auto": probabilistic DFlash drafts, the higher acceptance at T = 1 (identical drafts at T = 0);
+    // the sampled walk for DFlash2. "greedy": argmax drafts / the argmax walk at every temperature.
     const bool probabilistic = is_v1 && config.draft_sampling != "greedy";
     if (probabilistic) v1->set_probabilistic(true);
-    draft_sampling_ = !is_v1 ? "walk" : probabilistic ? "probabilistic" : "greedy";
+    const bool greedy_walk = !is_v1 && config.draft_sampling == "greedy";
+    if (greedy_walk) {
+      auto* v2 = dynamic_cast<DFlash2Drafter*>(drafter_.get());
+      DFLASH_CHECK(v2 != nullptr, config.draft_dir, ": a DFlash2 drafter that is not a DFlash2Drafter");
+      v2->set_greedy_walk(true);
+    }
+    draft_sampling_ = is_v1 ? (probabilistic ? "probabilistic" : "greedy") : (greedy_walk ? "greedy_walk" : "walk");
   }
   if (config.draft_head == "fp8") {
     auto* v2 = dynamic_cast<DFlash2Drafter*>(drafter_.get());

@@ -68,7 +68,7 @@ struct SessionStats {
   int64_t draft_weight_bytes = 0;
   int64_t draft_kv_cache_bytes = 0;
   int64_t num_speculative_tokens = 0;  // 0 without a drafter
-  std::string draft_sampling;          // "greedy", "probabilistic" or "walk" (DFlash2); "" without a drafter
+  std::string draft_sampling;  // "greedy", "probabilistic", "walk" / "greedy_walk" (DFlash2); "" without a drafter
   bool cuda_graphs = false;            // decode steps replay captured CUDA graphs
   std::vector<int64_t> graph_batch_sizes;  // padded batch sizes of the decode programs
   double graph_capture_s = 0.0;        // time spent capturing them at start-up

@@ -87,9 +87,11 @@ class Session:
         from the drafter's softmax(logits / T) on its own random stream and verified by exact
         rejection sampling against that distribution; the argmax at T = 0), "greedy" (the argmax
         of each draft row at every temperature, verified as one-hot proposals) or "auto"
-        (default: probabilistic, which accepts more drafts at T > 0). DFlash2 drafters always
-        walk their candidates (greedy at T = 0, sampled at T > 0); "probabilistic" with one is a
-        ValueError. `stats()["draft_sampling"]` names what runs.
+        (default: probabilistic, which accepts more drafts at T > 0). DFlash2 drafters walk their
+        candidates: "auto" (default) samples the walk at T > 0 (q = the walked rows), "greedy"
+        takes the argmax walk at every temperature (one-hot proposals); at T = 0 both are the
+        greedy walk. "probabilistic" with a DFlash2 drafter is a ValueError.
+        `stats()["draft_sampling"]` names what runs ("walk" or "greedy_walk" for DFlash2).
     draft_head: DFlash2 drafters only, how each draft slot's K candidates are picked: "exact"
         (default: the top-K of the target's LM head) or "fp8" (the top-K of an FP8 e4m3 copy of
         the LM head with one scale per vocabulary row, made once at load, which reads half the

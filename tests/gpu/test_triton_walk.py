@@ -177,6 +177,30 @@ def test_matches_reference(r, s, k):
                               f"R={r} S={s} K={k} T={temperature} salt={salt}")
 
 
+@pytest.mark.parametrize("k", [1, 5, 16, 64])
+def test_greedy_walk_at_every_temperature(k):
+    """greedy_walk (draft_sampling="greedy" with a DFlash2 drafter): the T = 0 walk's drafts at
+    every temperature, realized rows one-hot: 0 at the walked candidate, -inf elsewhere."""
+    t = _testing()
+    r, s = 5, 7
+    edges, _ = lattice(r, s, k, seed=77 + k)
+    gen = torch.Generator().manual_seed(k)
+    ids = torch.argsort(torch.rand(r, s, 5000, generator=gen), dim=-1)[..., :k].to(torch.int32)  # distinct ids
+    temps0, seeds, positions = request_params(r, 0.0, 0)
+    ref_drafts, _ = expected(edges, ids, temps0, seeds, positions)
+    for temperature in (0.0, 0.7, 1.0):
+        out = Outputs(r, s, k)
+        t.triton_lattice_walk(edges.to(DEVICE), ids.to(DEVICE), None, out.drafts, out.realized,
+                              temperature=[temperature] * r, seed=list(seeds), position=list(positions),
+                              greedy_walk=True)
+        out.check_guard()
+        drafts, realized = out.result()
+        assert torch.equal(drafts, ref_drafts), f"T={temperature}"
+        hot = (ids == drafts[..., None]) & (torch.cumsum((ids == drafts[..., None]).int(), -1) == 1)
+        want = torch.where(hot, torch.tensor(0.0), torch.tensor(float("-inf")))
+        assert torch.equal(realized, want), f"T={temperature}: realized is not one-hot"
+
+
 @pytest.mark.parametrize("k", [1, 4, 5, 16, 17, 32, 64])
 @pytest.mark.parametrize("temperature", [0.0, 0.5, 1.0, 2.0])
 def test_special_values(k, temperature):

@@ -69,7 +69,7 @@ class CpuBackend final : public Backend {
                           Tensor& unary) override;
   void edge_scores(const Tensor& ids, const Tensor& unary, const Tensor& gate, const Tensor& anchors,
                    const Tensor& pred_codebook, const Tensor& succ_codebook, Tensor& edges) override;
-  void lattice_walk(const Tensor& edges, const Tensor& ids, const Tensor& params, Tensor& drafts,
+  void lattice_walk(const Tensor& edges, const Tensor& ids, const Tensor& params, bool greedy_walk, Tensor& drafts,
                     Tensor& realized) override;
   void accept_candidates(const Tensor& drafts, const Tensor& ids, const Tensor& realized, const Tensor& logits,
                          const Tensor& params, Tensor& num_accepted, Tensor& next_token) override;

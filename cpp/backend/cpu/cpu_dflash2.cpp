@@ -98,14 +98,15 @@ void CpuBackend::edge_scores(const Tensor& ids, const Tensor& unary, const Tenso
   });
 }
 
-void CpuBackend::lattice_walk(const Tensor& edges, const Tensor& ids, const Tensor& params, Tensor& drafts,
-                              Tensor& realized) {
+void CpuBackend::lattice_walk(const Tensor& edges, const Tensor& ids, const Tensor& params, bool greedy_walk,
+                              Tensor& drafts, Tensor& realized) {
   const int64_t b = ids.dim(0), slots = ids.dim(1), k = ids.dim(2);
   DFLASH_CHECK(edges.numel() == b * slots * k * k && drafts.numel() == b * slots && realized.numel() == b * slots * k,
                "lattice_walk: edges ", shape_str(edges.shape), " ids ", shape_str(ids.shape));
   for (int64_t r = 0; r < b; ++r) {
     walk_request(edges.ptr<float>() + r * slots * k * k, ids.ptr<int32_t>() + r * slots * k, slots, k,
-                 unpack_params(params, r), drafts.ptr<int32_t>() + r * slots, realized.ptr<float>() + r * slots * k);
+                 unpack_params(params, r), greedy_walk, drafts.ptr<int32_t>() + r * slots,
+                 realized.ptr<float>() + r * slots * k);
   }
 }
 

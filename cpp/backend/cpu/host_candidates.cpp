@@ -73,13 +73,13 @@ void topk_row(const float* logits, int64_t vocab, int64_t k, float multiplier, f
 }
 
 void walk_request(const float* edges, const int32_t* ids, int64_t slots, int64_t k, const SampleRow& row,
-                  int32_t* drafts, float* realized) {
+                  bool greedy_walk, int32_t* drafts, float* realized) {
   int64_t prev = 0;
   for (int64_t s = 0; s < slots; ++s) {
     const float* scores = edges + (s * k + prev) * k;
     const int32_t* cand = ids + s * k;
     int64_t idx;
-    if (row.temperature <= 0.0f) {
+    if (greedy_walk || row.temperature <= 0.0f) {
       idx = argmax_finite(scores, k);
     } else {
       idx = -1;
@@ -93,7 +93,12 @@ void walk_request(const float* edges, const int32_t* ids, int64_t slots, int64_t
       }
       if (idx < 0) idx = argmax_finite(scores, k);  // every score -inf / NaN
     }
-    std::copy(scores, scores + k, realized + s * k);
+    if (greedy_walk) {
+      std::fill(realized + s * k, realized + (s + 1) * k, -INFINITY);
+      realized[s * k + idx] = 0.0f;
+    } else {
+      std::copy(scores, scores + k, realized + s * k);
+    }
     drafts[s] = cand[idx];
     prev = idx;
   }

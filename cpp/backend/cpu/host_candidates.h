@@ -18,9 +18,10 @@ void topk_row(const float* logits, int64_t vocab, int64_t k, float multiplier, f
               float* unary);
 
 // The walk over one request's lattice: edges[S, K, K], ids[S, K]; drafts[S], realized[S, K].
-// `row` gives the temperature, the seed and the first draft's position.
+// `row` gives the temperature, the seed and the first draft's position. greedy_walk: the argmax
+// walk at every temperature, realized one-hot (0 at the walked candidate, -inf elsewhere).
 void walk_request(const float* edges, const int32_t* ids, int64_t slots, int64_t k, const SampleRow& row,
-                  int32_t* drafts, float* realized);
+                  bool greedy_walk, int32_t* drafts, float* realized);
 
 // Acceptance of drafts[n] drawn from q_j = softmax(realized[j, :] / T) over ids[j, :] against the
 // target logits[n + 1, V] (temperature, top-k, top-p of `row` applied to p; position = the first

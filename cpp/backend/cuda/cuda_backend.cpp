@@ -573,8 +573,8 @@ void CudaBackend::edge_scores(const Tensor& ids, const Tensor& unary, const Tens
                                       pred_codebook.dim(0), edges.ptr<float>(), stream_));
 }
 
-void CudaBackend::lattice_walk(const Tensor& edges, const Tensor& ids, const Tensor& params, Tensor& drafts,
-                               Tensor& realized) {
+void CudaBackend::lattice_walk(const Tensor& edges, const Tensor& ids, const Tensor& params, bool greedy_walk,
+                               Tensor& drafts, Tensor& realized) {
   const int64_t b = ids.dim(0), slots = ids.dim(1), k = ids.dim(2);
   DFLASH_CHECK(edges.numel() == b * slots * k * k && drafts.numel() == b * slots && realized.numel() == b * slots * k,
                "lattice_walk: edges ", shape_str(edges.shape), " ids ", shape_str(ids.shape));
@@ -587,6 +587,7 @@ void CudaBackend::lattice_walk(const Tensor& edges, const Tensor& ids, const Ten
   a.num_reqs = static_cast<int32_t>(b);
   a.slots = static_cast<int32_t>(slots);
   a.k = static_cast<int32_t>(k);
+  a.greedy_walk = greedy_walk;
   const CUresult r = triton_aot::lattice_walk(*triton_, stream_, a);
   DFLASH_CHECK(r == CUDA_SUCCESS, "Triton lattice walk failed (CUresult ", static_cast<int>(r), ")");
 }

@@ -84,9 +84,10 @@ def dflash2_loss(
 
 @torch.no_grad()
 def _target_mass(target_model: Any, batch: Batch, supervised: torch.Tensor, block_pos: torch.Tensor,
-                 cand: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+                 cand: torch.Tensor, chunk_rows: int, per_candidate: bool = False) -> torch.Tensor:
     """[n] the target's probability (softmax of its logits, T = 1) of each supervised slot's
-    K candidates cand [n, K]; slot k of the block at anchor a is predicted from position a+k-1."""
+    K candidates cand [n, K] ([n, K], each candidate's, with per_candidate); slot k of the
+    block at anchor a is predicted from position a+k-1."""
     captured: dict[str, torch.Tensor] = {}
 
     def keep(_m: Any, _a: Any, out: Any) -> None:
@@ -105,5 +106,8 @@ def _target_mass(target_model: Any, batch: Batch, supervised: torch.Tensor, bloc
     for i in range(0, seq.numel(), max(1, int(chunk_rows))):
         h = final[seq[i:i + chunk_rows], pos[i:i + chunk_rows]]
         p = torch.softmax(head(h).float(), dim=-1)
-        parts.append(p.gather(1, cand[i:i + chunk_rows]).sum(dim=-1))
-    return torch.cat(parts) if parts else cand.new_zeros(0, dtype=torch.float32)
+        g = p.gather(1, cand[i:i + chunk_rows])
+        parts.append(g if per_candidate else g.sum(dim=-1))
+    if not parts:
+        return cand.new_zeros((0, cand.shape[1]) if per_candidate else (0,), dtype=torch.float32)
+    return torch.cat(parts)
