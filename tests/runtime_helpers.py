@@ -171,3 +171,15 @@ def greedy_ids(session, prompts, max_tokens: int = 20) -> list[list[int]]:
 
     params = dflash.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [o.token_ids for o in session.generate(prompts, params)]
+
+
+def assert_greedy_walk_like_walk(greedy, walk, prompts) -> None:
+    """A draft_sampling="greedy" DFlash2 session proposes the default walk's drafts (propose runs
+    at T = 0) with realized rows one-hot at the walked candidate: 0 there, -inf elsewhere."""
+    for prompt in prompts:
+        g, w = greedy.propose_details(prompt), walk.propose_details(prompt)
+        assert np.array_equal(g["draft_ids"], w["draft_ids"])
+        realized = np.asarray(g["realized"]).reshape(-1, g["k"])
+        for slot, tok in enumerate(g["draft_ids"]):
+            idx = int(np.argmax(g["candidate_ids"][slot] == tok))
+            assert realized[slot, idx] == 0.0 and np.all(np.isneginf(np.delete(realized[slot], idx)))

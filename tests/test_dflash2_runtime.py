@@ -17,7 +17,7 @@ import pytest
 import dflash
 from dflash.drafter_format import write_dflash_drafter
 from tests.reference.dflash2_reference import load_drafter2, propose2_ref, spec_generate2_ref
-from tests.runtime_helpers import DRAFT_PROMPTS, assert_no_leaks, greedy_ids, sampled_second_tokens, small_dflash2, target_config
+from tests.runtime_helpers import DRAFT_PROMPTS, assert_greedy_walk_like_walk, assert_no_leaks, greedy_ids, sampled_second_tokens, small_dflash2, target_config
 from tests.test_dflash_sampling import _chi2_ok, _target_probs
 
 PROMPTS = DRAFT_PROMPTS
@@ -186,12 +186,6 @@ def test_greedy_walk_drafts_the_argmax_walk_one_hot(tmp_path, target):
     walk = dflash.Session(target, draft=d, device="cpu", num_threads=2)
     greedy = dflash.Session(target, draft=d, device="cpu", num_threads=2, draft_sampling="greedy")
     assert greedy.stats()["draft_sampling"] == "greedy_walk"
-    for prompt in PROMPTS[:3]:
-        a, b = walk.propose_details(prompt), greedy.propose_details(prompt)
-        assert np.array_equal(a["draft_ids"], b["draft_ids"])
-        realized = np.asarray(b["realized"]).reshape(-1, b["k"])
-        for s, tok in enumerate(b["draft_ids"]):
-            idx = int(np.argmax(b["candidate_ids"][s] == tok))
-            assert realized[s, idx] == 0.0 and np.all(np.isneginf(np.delete(realized[s], idx)))
+    assert_greedy_walk_like_walk(greedy, walk, PROMPTS[:3])
     assert greedy_ids(walk, PROMPTS, 12) == greedy_ids(greedy, PROMPTS, 12)
     assert_no_leaks(greedy)

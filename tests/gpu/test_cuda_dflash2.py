@@ -18,7 +18,7 @@ import dflash
 from dflash import _core
 from dflash.drafter_format import write_dflash_drafter
 from tests.gpu.gpu_helpers import bf16_randn, gpu_dflash2, kernel_ops, torch
-from tests.runtime_helpers import DRAFT_PROMPTS, greedy_ids, target_config
+from tests.runtime_helpers import DRAFT_PROMPTS, assert_greedy_walk_like_walk, greedy_ids, target_config
 
 pytestmark = pytest.mark.skipif(not _core.cuda_usable(), reason="needs the CUDA backend and a Hopper GPU")
 
@@ -253,13 +253,7 @@ def test_greedy_walk_is_exact_on_gpu_and_drafts_like_the_cpu(tmp_path, tiny_mode
     spec = dflash.Session(target, draft=d, device="cuda", draft_sampling="greedy")
     assert spec.stats()["draft_sampling"] == "greedy_walk"
     walk = dflash.Session(target, draft=d, device="cuda")
-    for prompt in PROMPTS[:3]:
-        g, w = spec.propose_details(prompt), walk.propose_details(prompt)
-        assert np.array_equal(g["draft_ids"], w["draft_ids"])
-        realized = np.asarray(g["realized"]).reshape(-1, g["k"])
-        for slot, tok in enumerate(g["draft_ids"]):
-            idx = int(np.argmax(g["candidate_ids"][slot] == tok))
-            assert realized[slot, idx] == 0.0 and np.all(np.isneginf(np.delete(realized[slot], idx)))
+    assert_greedy_walk_like_walk(spec, walk, PROMPTS[:3])
     _assert_exact_sampling(spec, target, 1.0, "DFlash2 greedy walk")
 
 
