@@ -6,6 +6,11 @@ tau_gsm8k_t1, smollm2_dflash_speedup_gpu, smollm2_dflash_speedup_cpu, and the da
 of each source (acceptance_date/command, e2e_gpu_date/command, e2e_cpu_date/command). The
 benchmarks themselves are not rerun: this only reads their JSON.
 
+With --modes (a merged file of bench/merge_acceptance_modes.py) instead of --acceptance: the
+shipped drafter's tau_<dataset>_t0/t1 for all four sets come from --shipped-mode, and the DFlash2
+keys tau_dflash2_<dataset>_t0 / _t1 (from --dflash2-mode) and tau_dflash2_over_dflash_<dataset>_t0 /
+_t1 (over --shipped-mode) are written too.
+
 Usage: python bench/update_headline_acceptance.py --acceptance bench/results/acceptance_smollm2_h200.json
            --e2e-gpu bench/results/cuda_smollm2_dflash_e2e.json --e2e-cpu bench/results/cpu_smollm2_dflash_e2e.json
 """
@@ -35,6 +40,23 @@ def acceptance_figures(report: dict) -> dict:
     return out
 
 
+def modes_figures(merged: dict, shipped: str, dflash2: str) -> dict:
+    out = {}
+    for row in merged["tau_table"]:
+        ds, t = row["dataset"], int(round(float(row["temperature"])))
+        if f"tau_{shipped}" not in row or f"tau_{dflash2}" not in row:
+            continue
+        out[f"tau_{ds}_t{t}"] = row[f"tau_{shipped}"]
+        out[f"tau_dflash2_{ds}_t{t}"] = row[f"tau_{dflash2}"]
+        out[f"tau_dflash2_over_dflash_{ds}_t{t}"] = row[f"tau_{dflash2}"] / row[f"tau_{shipped}"]
+    first = merged["reports"][merged["modes"][shipped][0]]
+    out["acceptance_date"] = first["date"]
+    out["acceptance_command"] = "; ".join(merged["reports"][f]["command"] for m in (shipped, dflash2)
+                                          for f in merged["modes"][m])
+    out["tau_modes"] = f"shipped drafter: {shipped}; DFlash2: {dflash2}"
+    return out
+
+
 def e2e_figures(report: dict, device: str) -> dict:
     return {f"smollm2_dflash_speedup_{device}": report["speedup"],
             f"e2e_{device}_date": report["date"], f"e2e_{device}_command": report["command"]}
@@ -42,14 +64,22 @@ def e2e_figures(report: dict, device: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--acceptance", required=True)
+    ap.add_argument("--acceptance", default=None, help="one dflash bench acceptance report (the shipped drafter)")
+    ap.add_argument("--modes", default=None, help="a merged report of bench/merge_acceptance_modes.py")
+    ap.add_argument("--shipped-mode", default="dflash_v2_probabilistic")
+    ap.add_argument("--dflash2-mode", default="dflash2_sampled_walk")
     ap.add_argument("--e2e-gpu", default=None)
     ap.add_argument("--e2e-cpu", default=None)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
     path = Path(args.out) / HEADLINE_NAME
     head = json.loads(path.read_text()) if path.is_file() else {}
-    head.update(acceptance_figures(json.loads(Path(args.acceptance).read_text())))
+    if (args.acceptance is None) == (args.modes is None):
+        ap.error("give one of --acceptance and --modes")
+    if args.acceptance:
+        head.update(acceptance_figures(json.loads(Path(args.acceptance).read_text())))
+    else:
+        head.update(modes_figures(json.loads(Path(args.modes).read_text()), args.shipped_mode, args.dflash2_mode))
     for device, src in (("gpu", args.e2e_gpu), ("cpu", args.e2e_cpu)):
         if src:
             head.update(e2e_figures(json.loads(Path(src).read_text()), device))

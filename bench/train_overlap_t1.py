@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Expected acceptance at T = 1 of drafters' draft distributions, teacher-forced on held-out rows:
+why a DFlash2 walk accepts less than DFlash's probabilistic drafts at T = 1, and how much a
+draft-temperature scale c (q = softmax(scores / c)) would change that.
+
+For every supervised slot (teacher-forced blocks at deterministic anchors, as the trainer's
+held-out evaluation), with p the target's softmax at T = 1 for the slot's token:
+- unary (DFlash probabilistic drafts): q = softmax(logits / c) over the vocabulary;
+- unary top-K: the same logits restricted to the slot's K candidates;
+- walk (DFlash2 drafters): q = softmax(selector scores / c) over the K candidates, given the true
+  predecessor (the walk's own predecessor is a drafted token, so from slot 2 on this is an
+  upper-side proxy; for the first slot the predecessor is the verified bonus token, as here).
+The expected acceptance of one slot is sum_x min(p(x), q(x)), exactly the probability that
+rejection sampling accepts the draft. Sums run over the top-M unary candidates (M = --support,
+64 by default), so the figures are lower bounds; the mass q puts outside them is reported too.
+
+Usage: python bench/train_overlap_t1.py --data DATA.npz.xz --draft DIR [--draft DIR ...]
+           [--scales 0.5,1,1.5,2] [--rows 24] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _overlap(p: torch.Tensor, logits: torch.Tensor, scale: float, full: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """p [n, M] target probabilities at the candidates, logits [n, M] draft scores there; full [n, V]:
+    normalise over the vocabulary instead of the M candidates. (sum min(p, q) [n], q mass kept [n])."""
+    if full is None:
+        q = torch.softmax(logits / scale, dim=-1)
+    else:
+        q = torch.exp(logits / scale - torch.logsumexp(full / scale, dim=-1, keepdim=True))
+    return torch.minimum(p, q).sum(-1), q.sum(-1)
+
+
+def measure(draft_dir: str, target, batches, scales, support: int) -> dict:
+    from dflash.train import objective as O
+    from dflash.train.dflash2_model import load_published_drafter
+    from dflash.train.dflash2_objective import _target_mass
+
+    cfg = json.loads((Path(draft_dir) / "config.json").read_text(encoding="utf-8"))
+    arch = "dflash2" if "DFlash2DraftModel" in (cfg.get("architectures") or []) else "dflash"
+    drafter = load_published_drafter(draft_dir, target, arch).eval()
+    bs = drafter.config.block_size
+    k = int(drafter.config.selector_top_k) if arch == "dflash2" else 16
+    names = ["unary", f"unary_top{k}"] + (["walk"] if arch == "dflash2" else [])
+    acc = {(m, c): torch.zeros(bs - 1) for m in names for c in scales}
+    kept = {(m, c): torch.zeros(bs - 1) for m in names for c in scales}
+    rows = torch.zeros(bs - 1)
+    with torch.no_grad():
+        for batch, anchors, keep in batches:
+            t = O.unary_terms(drafter, target, batch, anchors, keep, gamma=None, top_k=support)
+            slot = torch.nonzero(t.supervised)[:, 2] - 1
+            p = _target_mass(target, batch, t.supervised, t.blocks["block_pos"], t.top_ids, 4096, per_candidate=True)
+            full = torch.cat([F_logits(drafter, t.rows[i:i + 2048]) for i in range(0, t.rows.shape[0], 2048)])
+            vals, ids = t.top_values.float(), t.top_ids
+            walk_scores = None
+            if arch == "dflash2":
+                labels_full, block_ids = t.blocks["labels"], t.blocks["block_ids"]
+                anchor = block_ids[..., :1]
+                prev_full = torch.cat((anchor, anchor, labels_full[..., 1:-1]), dim=-1)
+                prev = prev_full[t.supervised]
+                walk_scores = drafter.candidate_selector.scores(t.rows, prev, ids[:, :k], vals[:, :k])
+            for c in scales:
+                parts = {"unary": _overlap(p, vals, c, full), f"unary_top{k}": _overlap(p[:, :k], vals[:, :k], c)}
+                if walk_scores is not None:
+                    parts["walk"] = _overlap(p[:, :k], walk_scores, c)
+                for m, (a, q_kept) in parts.items():
+                    acc[(m, c)].index_add_(0, slot, a)
+                    kept[(m, c)].index_add_(0, slot, q_kept)
+            rows.index_add_(0, slot, torch.ones_like(slot, dtype=torch.float32))
+    n = rows.clamp_min(1)
+    out = {"draft": draft_dir, "arch": arch, "slots": int(rows.sum()), "support": support, "k": k, "modes": {}}
+    for m in names:
+        out["modes"][m] = {
+            f"{c:g}": {"expected_acceptance_first_slot": float(acc[(m, c)][0] / n[0]),
+                       "expected_acceptance_mean": float(acc[(m, c)].sum() / rows.sum()),
+                       "expected_acceptance_by_slot": (acc[(m, c)] / n).tolist(),
+                       "q_mass_in_support": float(kept[(m, c)].sum() / rows.sum())}
+            for c in scales}
+    return out
+
+
+def F_logits(drafter, h: torch.Tensor) -> torch.Tensor:
+    """The unary head's full-vocabulary logits [n, V] of final-normed slot states h [n, H]."""
+    return drafter.logits(h).float()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help="training set (.jsonl or packed .npz.xz)")
+    ap.add_argument("--draft", action="append", required=True)
+    ap.add_argument("--target", default="default", help="target dir (default: the converted SmolLM2)")
+    ap.add_argument("--holdout", type=int, default=256, help="the set's last N rows are the held-out ones")
+    ap.add_argument("--rows", type=int, default=24, help="held-out rows measured (the first of them)")
+    ap.add_argument("--anchors", type=int, default=64, help="deterministic anchors per row")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--support", type=int, default=64, help="unary candidates the sums run over")
+    ap.add_argument("--scales", default="0.75,1,1.25,1.5,2,3")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/train_smollm2/overlap_t1.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    from dflash.train import data as D
+    from dflash.train import objective as O
+    from dflash.train.trainer import _examples
+
+    target_dir = args.target
+    if target_dir == "default":
+        from dflash.default_model import default_model_dir
+
+        target_dir = str(default_model_dir())
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target.requires_grad_(False)
+    samples = D.load_dataset(args.data)
+    n = 1 + max(s.index for s in samples)
+    held = sorted((s for s in samples if s.index >= n - args.holdout), key=lambda s: s.index)
+    ex = list(_examples(held, 1024).values())[: args.rows]
+    batches = []
+    for i in range(0, len(ex), args.batch_size):
+        b = O.collate(ex[i:i + args.batch_size])
+        anchors, keep = O.eval_anchors(b, args.anchors)
+        batches.append((b, anchors, keep))
+    scales = [float(x) for x in args.scales.split(",")]
+    t0 = time.time()
+    results = [measure(d, target, batches, scales, args.support) for d in args.draft]
+    out = {"what": "expected acceptance sum_x min(p, q) at T = 1, teacher-forced on held-out rows, by draft-temperature scale",
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv),
+           "machine": f"{platform.machine()} CPU ({torch.get_num_threads()} threads)", "data": args.data,
+           "rows": len(ex), "anchors_per_row": args.anchors, "seconds": round(time.time() - t0, 1),
+           "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    for r in results:
+        print(r["draft"], r["arch"], r["slots"], "slots")
+        for m, by_scale in r["modes"].items():
+            row = "  ".join(f"c={c}: {v['expected_acceptance_first_slot']:.3f}/{v['expected_acceptance_mean']:.3f}"
+                            for c, v in by_scale.items())
+            print(f"  {m:<12} first/mean  {row}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
