@@ -54,6 +54,28 @@ def modes_figures(merged: dict, shipped: str, dflash2: str) -> dict:
     out["acceptance_command"] = "; ".join(merged["reports"][f]["command"] for m in (shipped, dflash2)
                                           for f in merged["modes"][m])
     out["tau_modes"] = f"shipped drafter: {shipped}; DFlash2: {dflash2}"
+    out.update(goal_gaps(merged, out))
+    return out
+
+
+# Issue 14's goals: DFlash2 tau >= 1.2x DFlash at T = 0 on every set; tau at T = 1 >= 2.5 on GSM8K
+# with the better drafting mode; the shipped drafter's T = 0 tau >= 4.0 / 3.5 / 3.0 on GSM8K /
+# HumanEval / MT-Bench. A gap is goal - measured (<= 0: met).
+GOALS_T0 = {"gsm8k": 4.0, "humaneval": 3.5, "mtbench": 3.0}
+
+
+def goal_gaps(merged: dict, figures: dict) -> dict:
+    out = {}
+    ratios = [v for k, v in figures.items() if k.startswith("tau_dflash2_over_dflash_") and k.endswith("_t0")]
+    if ratios:
+        out["goal_gap_dflash2_over_dflash_t0_worst_set"] = 1.2 - min(ratios)
+    t1 = [v for row in merged["tau_table"] if row["dataset"] == "gsm8k" and float(row["temperature"]) == 1.0
+          for k, v in row.items() if k.startswith("tau_") and "_over_" not in k]
+    if t1:
+        out["goal_gap_tau_gsm8k_t1_best_mode"] = 2.5 - max(t1)
+    for ds, goal in GOALS_T0.items():
+        if f"tau_{ds}_t0" in figures:
+            out[f"goal_gap_tau_{ds}_t0_shipped"] = goal - figures[f"tau_{ds}_t0"]
     return out
 
 

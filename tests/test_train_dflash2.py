@@ -235,6 +235,56 @@ def test_selector_loss_rule_at_init(target, dataset, hf_model):
         _check_target_mass(tm, base, batch, anchors, keep)
 
 
+def test_selector_detach_unary_leaves_the_unary_head_to_the_dflash_loss(target, dataset, hf_model):
+    """selector_detach_unary: with the selector's hidden projection at zero (its only other path
+    into the backbone), the backbone's gradients of unary + alpha * selector loss equal those of
+    the unary loss alone, while the selector's own parameters still get gradients; without the
+    detach the selector loss moves the backbone (it trains the unary top-K logits)."""
+    from dflash.train import objective as O
+    from dflash.train.dflash2_objective import dflash2_loss
+
+    tm = hf_model(target)
+    base = DrafterConfig.from_target(_config(target), num_layers=1, block_size=4, mask_token_id=352,
+                                     target_layer_ids=[0, 1])
+    cfg = DrafterConfig.from_dict({**base.to_dict(), "arch": "dflash2", "selector_rank": 8, "selector_top_k": 8})
+    batch = O.collate([(s.ids, len(s.prompt_ids)) for s in D.load_dataset(dataset)[:3]])
+    anchors, keep = O.eval_anchors(batch, 16)
+    model = DFlash2Drafter(cfg, *frozen_target_tensors(tm))
+    model.reset_parameters(0, std=0.3)
+    with torch.no_grad():
+        model.candidate_selector.successor_codebook.normal_(0.0, 0.5)  # a selector that selects
+        model.candidate_selector.hidden_projection.weight.zero_()
+
+    def grads(alpha, detach):
+        model.zero_grad(set_to_none=True)
+        loss, _ = dflash2_loss(model, tm, batch, anchors, keep, gamma=2.0, alpha=alpha, detach_unary=detach)
+        loss.backward()
+        return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+                for n, p in model.named_parameters() if p.requires_grad}
+
+    unary_only = grads(0.0, True)
+    detached, attached = grads(1.0, True), grads(1.0, False)
+    backbone = [n for n in unary_only if not n.startswith("candidate_selector.")]
+    assert backbone and all(torch.allclose(detached[n], unary_only[n], atol=1e-6) for n in backbone)
+    assert max(float((attached[n] - unary_only[n]).abs().max()) for n in backbone) > 1e-4
+    assert float(detached["candidate_selector.hidden_projection.weight"].abs().max()) > 0
+
+
+def test_selector_detach_unary_reaches_the_trainer(target, dataset, tmp_path):
+    """The option is a TrainConfig field (saved in the checkpoint, so a resume keeps it) and a
+    `dflash train` flag; a default run keeps the published recipe (off)."""
+    assert T.TrainConfig().selector_detach_unary is False
+    cfg, _ = T.resolve_config({"target": str(target), "out": str(tmp_path / "o"), "arch": "dflash2",
+                               "selector_detach_unary": True}, resume=False)
+    assert cfg.selector_detach_unary is True
+    from dflash.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--target", str(target), "--out", str(tmp_path / "o2"),
+                                      "--arch", "dflash2", "--selector-detach-unary"])
+    assert args.selector_detach_unary is True
+    assert build_parser().parse_args(["train", "--target", "t", "--out", "o"]).selector_detach_unary is None
+
+
 def _check_target_mass(tm, base, batch, anchors, keep):
     """target mass@K (evaluation): the target's softmax at each slot's predecessor position,
     summed over the slot's unary top-K, equals the same from the target's full logits."""

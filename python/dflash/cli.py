@@ -173,7 +173,7 @@ _TRAIN_FIELDS = (
     "grad_clip", "seed", "target_dtype", "device", "max_minutes", "reserve_seconds", "save_every", "log_every",
     "eval_every", "export_dtype", "attention", "holdout", "warmup_steps", "plan_minutes", "group_batches",
     "sdpa_group_blocks", "amp", "state_format", "state_part_mib", "arch", "selector_top_k", "selector_rank",
-    "conv_group_size", "conv_kernel_size", "selector_alpha",
+    "conv_group_size", "conv_kernel_size", "selector_alpha", "selector_detach_unary",
 )
 
 
@@ -287,6 +287,8 @@ def _add_train_parser(sub: Any) -> None:
                    help="dflash2: channels per dynamic conv correction (default 16; must divide the hidden size)")
     m.add_argument("--conv-kernel-size", type=int, help="dflash2: conv taps (default 2)")
     m.add_argument("--selector-alpha", type=float, help="dflash2: weight of the selector loss (default 1)")
+    m.add_argument("--selector-detach-unary", action="store_true", default=None,
+                   help="dflash2: the selector loss does not train the unary head (the DFlash loss alone does)")
     m.add_argument("--num-layers", type=int)
     m.add_argument("--block-size", type=int)
     m.add_argument("--target-layer-ids", nargs="+", help="tapped target layers, e.g. 1 8 14 20 27")

@@ -218,7 +218,7 @@ def _train_options(args: argparse.Namespace, target: str, run_dir: Path, data: P
         "reserve_seconds": args.reserve_seconds, "amp": args.amp, "init_from": args.init_from,
         "arch": args.arch, "selector_top_k": args.selector_top_k, "selector_rank": args.selector_rank,
         "conv_group_size": args.conv_group_size, "conv_kernel_size": args.conv_kernel_size,
-        "selector_alpha": args.selector_alpha,
+        "selector_alpha": args.selector_alpha, "selector_detach_unary": args.selector_detach_unary,
     }
     if args.steps:
         opts["steps"] = args.steps
@@ -509,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--conv-group-size", type=int, help="dflash2: channels per conv correction (default 16)")
     t.add_argument("--conv-kernel-size", type=int, help="dflash2: conv taps (default 2)")
     t.add_argument("--selector-alpha", type=float, help="dflash2: selector loss weight (default 1)")
+    t.add_argument("--selector-detach-unary", action="store_true", default=None,
+                   help="dflash2: the selector loss does not train the unary head")
     t.add_argument("--num-layers", type=int, default=2)
     t.add_argument("--block-size", type=int, default=8)
     t.add_argument("--target-layer-ids", default=SMOLLM2_TAPS, help="comma-separated; '' = the default rule")

@@ -41,11 +41,17 @@ def dflash2_loss(
     *,
     gamma: float | None,
     alpha: float = 1.0,
+    detach_unary: bool = False,
     chunk_rows: int = 8192,
     feats: torch.Tensor | None = None,
     target_mass: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """(unary loss + alpha * selector loss, stats); stats["loss_num"] is the total's numerator."""
+    """(unary loss + alpha * selector loss, stats); stats["loss_num"] is the total's numerator.
+
+    detach_unary: the selector loss sees the unary logits as constants, so its gradient reaches the
+    backbone only through the selector's hidden projection and the unary head is trained by the
+    DFlash loss alone (the published recipe lets the selector loss train it too, which sharpens
+    it on its top-K; measured to cost acceptance of sampled drafts at T = 1)."""
     k = int(drafter.config.selector_top_k)
     t = unary_terms(drafter, target_model, batch, anchors, keep, gamma=gamma, chunk_rows=chunk_rows, feats=feats,
                     top_k=k)
@@ -61,6 +67,8 @@ def dflash2_loss(
     cand[:, k - 1] = torch.where(recalled, cand[:, k - 1], labels)
     last = torch.where(recalled, t.top_values[:, k - 1], t.label_logit)
     unary = torch.cat((t.top_values[:, : k - 1], last[:, None]), dim=1)
+    if detach_unary:
+        unary = unary.detach()
     scores = drafter.candidate_selector.scores(t.rows, prev, cand, unary)
     ce = F.cross_entropy(scores, index, reduction="none")
     sel_num = (t.weights * ce).sum()

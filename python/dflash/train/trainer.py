@@ -85,6 +85,7 @@ class TrainConfig:
     conv_group_size: int = 16  # channels per dynamic correction; must divide the hidden size
     conv_kernel_size: int = 2  # conv taps
     selector_alpha: float = 1.0  # weight of the selector loss
+    selector_detach_unary: bool = False  # the selector loss does not train the unary head (dflash2_loss)
     # objective
     gamma: float | None = None  # default by block size: 16->7, 10->5, 8->4, else B/2
     num_anchors: int = 512
@@ -350,7 +351,7 @@ def _loss(drafter: DFlashDrafter, target: Any, batch: Any, anchors: torch.Tensor
     (target_mass: also the target's mass on the candidates, evaluation only)."""
     if drafter.config.arch == "dflash2":
         return dflash2_loss(drafter, target, batch, anchors, keep, gamma=gamma, alpha=cfg.selector_alpha,
-                            chunk_rows=cfg.ce_chunk_rows, target_mass=target_mass)
+                            detach_unary=cfg.selector_detach_unary, chunk_rows=cfg.ce_chunk_rows, target_mass=target_mass)
     return dflash_loss(drafter, target, batch, anchors, keep, gamma=gamma, chunk_rows=cfg.ce_chunk_rows)
 
 
@@ -623,7 +624,8 @@ def train(
     drafter.set_attention(impl, cfg.sdpa_group_blocks)
     shapes = {n: list(p.shape) for n, p in drafter.named_parameters()}
     v2 = (f" (dflash2: K {dcfg.selector_top_k}, rank {dcfg.selector_rank}, conv taps {dcfg.conv_kernel_size} "
-          f"group {dcfg.conv_group_size}, alpha {cfg.selector_alpha})" if dcfg.arch == "dflash2" else "")
+          f"group {dcfg.conv_group_size}, alpha {cfg.selector_alpha}"
+          f"{', unary detached' if cfg.selector_detach_unary else ''})" if dcfg.arch == "dflash2" else "")
     say(f"train: {len(examples)} rows (index space {n_space}, {len(eval_examples)} held out), {dcfg.arch}{v2} "
         f"drafter {dcfg.num_layers} layers / {n_params / 1e6:.2f}M params, block {dcfg.block_size}, taps "
         f"{dcfg.target_layer_ids}, mask {dcfg.mask_token_id}, gamma {cfg.gamma}, {total} steps x {cfg.batch_size} "
