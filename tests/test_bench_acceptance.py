@@ -81,6 +81,19 @@ def test_report_fields_tau_and_greedy_determinism(pair, tmp_path, capsys):
     assert again["results"][0]["tau"] == rep["results"][0]["tau"]
 
 
+def test_kv_cache_tokens_reaches_the_session(pair, tmp_path, capsys):
+    """--kv-cache-tokens sizes the session's KV cache (recorded in the settings), so several
+    benchmark processes can share one GPU; a cache too small for a request is a clear error."""
+    rep = _bench(pair, tmp_path / "kv.json", "--kv-cache-tokens", "512", "--max-model-len", "256",
+                 "--temperatures", "0")
+    assert rep["settings"]["kv_cache_tokens"] == 512 and rep["settings"]["max_model_len"] == 256
+    target, draft, prompts = pair
+    capsys.readouterr()
+    assert cli_main(["bench", "acceptance", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                     "--device", "cpu", "--kv-cache-tokens", "8", "--max-model-len", "256", "-q"]) != 0
+    assert "raise kv_cache_tokens" in capsys.readouterr().err
+
+
 def test_clear_errors(pair, tmp_path, monkeypatch):
     target, draft, prompts = pair
     base = ["--model", str(target), "--draft", str(draft), "--device", "cpu", "-q"]

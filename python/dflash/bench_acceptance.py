@@ -342,6 +342,10 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
         kwargs["num_speculative_tokens"] = args.num_speculative_tokens
     if args.threads:
         kwargs["num_threads"] = args.threads
+    if args.kv_cache_tokens:
+        kwargs["kv_cache_tokens"] = args.kv_cache_tokens
+    if args.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     session = dflash.Session(args.model, draft=args.draft, device=args.device, max_model_len=args.max_model_len,
                              draft_sampling=args.draft_sampling, draft_head=args.draft_head, **kwargs)
     tok = session.tokenizer
@@ -379,6 +383,7 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
             "seed": args.seed, "device": stats["device"], "batch_size": 1, "draft_sampling": stats["draft_sampling"],
             "draft_head": args.draft_head,
             "num_speculative_tokens": stats["num_speculative_tokens"], "max_model_len": max_len,
+            "kv_cache_tokens": stats.get("kv_cache_tokens"),
             "top_p": 1.0, "top_k": 0, "chat_template": use_chat, "enable_thinking": args.enable_thinking,
             "prompt_format": args.prompt_format, "warmup_requests": args.warmup,
             "seeds": "per request: hash of (seed, dataset, index)",
@@ -476,6 +481,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--num-speculative-tokens", type=int, default=0, help="default: the drafter's block_size - 1")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV cache size in tokens (default: from max_model_len and memory); a small one lets "
+                        "several benchmark processes share a GPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: fraction of GPU memory this session may use (default 0.9)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all)")
     p.add_argument("--draft-sampling", default="auto", choices=["auto", "greedy", "probabilistic"],
                    help="DFlash (v1) drafts: sampled from the drafter at T > 0 (auto, the default, and "
