@@ -24,17 +24,17 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_heldout import add_arguments, heldout_batches, load_drafter, load_target  # noqa: E402
+
 KS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def measure(draft_dir: str, target, batches, ks) -> dict:
     from dflash.train import objective as O
-    from dflash.train.dflash2_model import load_published_drafter
     from dflash.train.dflash2_objective import _target_mass
 
-    cfg = json.loads((Path(draft_dir) / "config.json").read_text(encoding="utf-8"))
-    arch = "dflash2" if "DFlash2DraftModel" in (cfg.get("architectures") or []) else "dflash"
-    drafter = load_published_drafter(draft_dir, target, arch).eval()
+    drafter, arch = load_drafter(draft_dir, target)
     kmax = max(ks)
     bs = drafter.config.block_size
     hits = {k: torch.zeros(bs - 1) for k in ks}
@@ -73,49 +73,21 @@ def measure(draft_dir: str, target, batches, ks) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="training set (.jsonl or packed .npz.xz)")
-    ap.add_argument("--draft", action="append", required=True)
-    ap.add_argument("--target", default="default", help="target dir (default: the converted SmolLM2)")
-    ap.add_argument("--holdout", type=int, default=256, help="the set's last N rows are the held-out ones")
-    ap.add_argument("--rows", type=int, default=64, help="held-out rows measured (the first of them)")
-    ap.add_argument("--anchors", type=int, default=64, help="deterministic anchors per row")
-    ap.add_argument("--batch-size", type=int, default=8)
+    add_arguments(ap, rows=64)
     ap.add_argument("--ks", default=",".join(map(str, KS)))
-    ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default="bench/results/train_smollm2/recall_at_k.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
-
-    from dflash.train import data as D
-    from dflash.train import objective as O
-    from dflash.train.trainer import _examples
-
-    target_dir = args.target
-    if target_dir == "default":
-        from dflash.default_model import default_model_dir
-
-        target_dir = str(default_model_dir())
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    target.requires_grad_(False)
-    samples = D.load_dataset(args.data)
-    n = 1 + max(s.index for s in samples)
-    held = [s for s in samples if s.index >= n - args.holdout]
-    held.sort(key=lambda s: s.index)
-    ex = list(_examples(held, 1024).values())[: args.rows]
-    batches = []
-    for i in range(0, len(ex), args.batch_size):
-        b = O.collate(ex[i:i + args.batch_size])
-        anchors, keep = O.eval_anchors(b, args.anchors)
-        batches.append((b, anchors, keep))
+    target = load_target(args.target)
+    batches, n_rows = heldout_batches(args)
     ks = tuple(int(k) for k in args.ks.split(","))
     t0 = time.time()
     results = [measure(d, target, batches, ks) for d in args.draft]
     out = {"what": "recall@K and target mass@K (T = 1) of the unary head, teacher-forced on held-out rows",
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv),
            "machine": f"{platform.machine()} CPU ({torch.get_num_threads()} threads)", "data": args.data,
-           "rows": len(ex), "anchors_per_row": args.anchors, "seconds": round(time.time() - t0, 1),
+           "rows": n_rows, "anchors_per_row": args.anchors, "seconds": round(time.time() - t0, 1),
            "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")

@@ -1,0 +1,63 @@
+"""Shared parts of the held-out drafter measurements (train_recall_at_k.py, train_overlap_t1.py):
+the frozen target, a drafter loaded with its architecture, and the teacher-forced held-out
+batches (the trainer's held-out rows: the last --holdout indices of a data set, deterministic
+anchors)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, List, Tuple
+
+import torch
+
+
+def add_arguments(ap: argparse.ArgumentParser, rows: int) -> None:
+    ap.add_argument("--data", required=True, help="training set (.jsonl or packed .npz.xz)")
+    ap.add_argument("--draft", action="append", required=True)
+    ap.add_argument("--target", default="default", help="target dir (default: the converted SmolLM2)")
+    ap.add_argument("--holdout", type=int, default=256, help="the set's last N rows are the held-out ones")
+    ap.add_argument("--rows", type=int, default=rows, help="held-out rows measured (the first of them)")
+    ap.add_argument("--anchors", type=int, default=64, help="deterministic anchors per row")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0)
+
+
+def load_target(target_dir: str) -> Any:
+    """The frozen fp32 target (transformers); "default" is the converted SmolLM2."""
+    from transformers import AutoModelForCausalLM
+
+    if target_dir == "default":
+        from dflash.default_model import default_model_dir
+
+        target_dir = str(default_model_dir())
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target.requires_grad_(False)
+    return target
+
+
+def load_drafter(draft_dir: str, target: Any) -> Tuple[Any, str]:
+    """(the trainer's model of a published drafter, "dflash" or "dflash2")."""
+    from dflash.train.dflash2_model import load_published_drafter
+
+    cfg = json.loads((Path(draft_dir) / "config.json").read_text(encoding="utf-8"))
+    arch = "dflash2" if "DFlash2DraftModel" in (cfg.get("architectures") or []) else "dflash"
+    return load_published_drafter(draft_dir, target, arch).eval(), arch
+
+
+def heldout_batches(args: argparse.Namespace) -> Tuple[List[tuple], int]:
+    """([(batch, anchors, keep)], rows) of the first --rows held-out rows."""
+    from dflash.train import data as D
+    from dflash.train import objective as O
+    from dflash.train.trainer import _examples
+
+    samples = D.load_dataset(args.data)
+    n = 1 + max(s.index for s in samples)
+    held = sorted((s for s in samples if s.index >= n - args.holdout), key=lambda s: s.index)
+    ex = list(_examples(held, 1024).values())[: args.rows]
+    batches = []
+    for i in range(0, len(ex), args.batch_size):
+        b = O.collate(ex[i:i + args.batch_size])
+        anchors, keep = O.eval_anchors(b, args.anchors)
+        batches.append((b, anchors, keep))
+    return batches, len(ex)
