@@ -10,6 +10,9 @@ trainer's models, which the runtime matches); with p the target's T = 1 distribu
 - dflash2_unary: the same for a DFlash2 drafter's own unary head;
 - dflash2_unary_topk: its unary logits restricted to its K candidates;
 - dflash2_walk: its walk's first-slot proposal, softmax(selector scores) over the K candidates;
+- dflash2_walk_with_tail: a proposal the runtime does not have (yet): the walk's q scaled to the
+  unary softmax's mass on the K candidates, plus the unary softmax outside them (what a walk with
+  a full-vocabulary tail would be accepted with);
 - target_mass_on_candidates / target_top1 / target_topk_mass: how flat p is.
 Positions are binned by their offset into the answer (--bins, token offsets).
 
@@ -97,11 +100,16 @@ def main() -> int:
                 vals, cand = torch.sort(lg2, descending=True, stable=True)
                 vals, cand = vals[:k], cand[:k]
                 walk = torch.softmax(d2.candidate_selector.scores(h2, torch.tensor([anchor]), cand[None], vals[None])[0], -1)
+                unary2 = torch.softmax(lg2, -1)
+                inside = unary2[cand].sum()
+                tail = unary2.clone()
+                tail[cand] = walk * inside
                 figures = {
                     "dflash": torch.minimum(p, q1).sum(),
-                    "dflash2_unary": torch.minimum(p, torch.softmax(lg2, -1)).sum(),
+                    "dflash2_unary": torch.minimum(p, unary2).sum(),
                     "dflash2_unary_topk": torch.minimum(p[cand], torch.softmax(vals, -1)).sum(),
                     "dflash2_walk": torch.minimum(p[cand], walk).sum(),
+                    "dflash2_walk_with_tail": torch.minimum(p, tail).sum(),
                     "target_mass_on_candidates": p[cand].sum(),
                     "target_top1": p.max(),
                     "target_topk_mass": p.topk(k).values.sum(),
