@@ -50,8 +50,9 @@ def dflash2_loss(
 
     detach_unary: the selector loss sees the unary logits as constants, so its gradient reaches the
     backbone only through the selector's hidden projection and the unary head is trained by the
-    DFlash loss alone (the published recipe lets the selector loss train it too, which sharpens
-    it on its top-K; measured to cost acceptance of sampled drafts at T = 1)."""
+    DFlash loss alone. The published recipe (False) lets the selector loss train it too; a drafter
+    trained that way was measured with a weaker unary head on sampled text (fewer drafts accepted
+    at T = 1, bench/train_slot0_sampled_t1.py), and this option tests whether that is the cause."""
     k = int(drafter.config.selector_top_k)
     t = unary_terms(drafter, target_model, batch, anchors, keep, gamma=gamma, chunk_rows=chunk_rows, feats=feats,
                     top_k=k)
