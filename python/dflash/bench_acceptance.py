@@ -485,7 +485,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache size in tokens (default: from max_model_len and memory); a small one lets "
                         "several benchmark processes share a GPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="CUDA: fraction of GPU memory this session may use (default 0.9)")
+                   help="CUDA: fraction of GPU memory this session may use (default 0.9); sizes the KV "
+                        "cache when --kv-cache-tokens is not given")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all)")
     p.add_argument("--draft-sampling", default="auto", choices=["auto", "greedy", "probabilistic"],
                    help="DFlash (v1) drafts: sampled from the drafter at T > 0 (auto, the default, and "
