@@ -1,7 +1,7 @@
 """Shared parts of the held-out drafter measurements (train_recall_at_k.py, train_overlap_t1.py):
-the frozen target, a drafter loaded with its architecture, and the teacher-forced held-out
+the frozen target, a drafter loaded with its architecture, the teacher-forced held-out
 batches (the trainer's held-out rows: the last --holdout indices of a data set, deterministic
-anchors)."""
+anchors), and the report file."""
 from __future__ import annotations
 
 import argparse
@@ -61,3 +61,17 @@ def heldout_batches(args: argparse.Namespace) -> Tuple[List[tuple], int]:
         anchors, keep = O.eval_anchors(b, args.anchors)
         batches.append((b, anchors, keep))
     return batches, len(ex)
+
+
+def write_report(args: argparse.Namespace, what: str, rows: int, seconds: float, results: list) -> dict:
+    """The report of one measurement (what, date, command, machine, data, rows, results) to --out."""
+    import platform
+    import sys
+    import time
+
+    out = {"what": what, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv),
+           "machine": f"{platform.machine()} CPU ({torch.get_num_threads()} threads)", "data": args.data,
+           "rows": rows, "anchors_per_row": args.anchors, "seconds": round(seconds, 1), "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    return out

@@ -20,8 +20,6 @@ Usage: python bench/train_overlap_t1.py --data DATA.npz.xz --draft DIR [--draft 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -29,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_heldout import add_arguments, heldout_batches, load_drafter, load_target  # noqa: E402
+from train_heldout import add_arguments, heldout_batches, load_drafter, load_target, write_report  # noqa: E402
 
 
 def _overlap(p: torch.Tensor, logits: torch.Tensor, scale: float, full: torch.Tensor | None = None
@@ -107,13 +105,9 @@ def main() -> int:
     scales = [float(x) for x in args.scales.split(",")]
     t0 = time.time()
     results = [measure(d, target, batches, scales, args.support) for d in args.draft]
-    out = {"what": "expected acceptance sum_x min(p, q) at T = 1, teacher-forced on held-out rows, by draft-temperature scale",
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv),
-           "machine": f"{platform.machine()} CPU ({torch.get_num_threads()} threads)", "data": args.data,
-           "rows": n_rows, "anchors_per_row": args.anchors, "seconds": round(time.time() - t0, 1),
-           "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    write_report(args, "expected acceptance sum_x min(p, q) at T = 1, teacher-forced on held-out rows, "
+                 "by draft-temperature scale",
+                 n_rows, time.time() - t0, results)
     for r in results:
         print(r["draft"], r["arch"], r["slots"], "slots")
         for m, by_scale in r["modes"].items():

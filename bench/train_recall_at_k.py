@@ -16,8 +16,6 @@ Usage: python bench/train_recall_at_k.py --data DATA.npz.xz --draft DIR [--draft
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_heldout import add_arguments, heldout_batches, load_drafter, load_target  # noqa: E402
+from train_heldout import add_arguments, heldout_batches, load_drafter, load_target, write_report  # noqa: E402
 
 KS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -84,13 +82,8 @@ def main() -> int:
     ks = tuple(int(k) for k in args.ks.split(","))
     t0 = time.time()
     results = [measure(d, target, batches, ks) for d in args.draft]
-    out = {"what": "recall@K and target mass@K (T = 1) of the unary head, teacher-forced on held-out rows",
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv),
-           "machine": f"{platform.machine()} CPU ({torch.get_num_threads()} threads)", "data": args.data,
-           "rows": n_rows, "anchors_per_row": args.anchors, "seconds": round(time.time() - t0, 1),
-           "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    write_report(args, "recall@K and target mass@K (T = 1) of the unary head, teacher-forced on held-out rows",
+                 n_rows, time.time() - t0, results)
     for r in results:
         print(r["draft"], r["arch"], r["slots"], "slots")
         print("  recall@K", {k: round(v, 3) for k, v in r["recall_at_k"].items()})
