@@ -75,3 +75,14 @@ def write_report(args: argparse.Namespace, what: str, rows: int, seconds: float,
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
     return out
+
+
+def setup(ap: argparse.ArgumentParser) -> Tuple[argparse.Namespace, Any, List[tuple], int]:
+    """Parse the command line, set the threads, load the target and the held-out batches:
+    (args, target, batches, rows)."""
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target)
+    batches, rows = heldout_batches(args)
+    return args, target, batches, rows

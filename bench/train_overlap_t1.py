@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_heldout import add_arguments, heldout_batches, load_drafter, load_target, write_report  # noqa: E402
+from train_heldout import add_arguments, load_drafter, setup, write_report  # noqa: E402
 
 
 def _overlap(p: torch.Tensor, logits: torch.Tensor, scale: float, full: torch.Tensor | None = None
@@ -97,11 +97,7 @@ def main() -> int:
     ap.add_argument("--support", type=int, default=64, help="unary candidates the sums run over")
     ap.add_argument("--scales", default="0.75,1,1.25,1.5,2,3")
     ap.add_argument("--out", default="bench/results/train_smollm2/overlap_t1.json")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target = load_target(args.target)
-    batches, n_rows = heldout_batches(args)
+    args, target, batches, n_rows = setup(ap)
     scales = [float(x) for x in args.scales.split(",")]
     t0 = time.time()
     results = [measure(d, target, batches, scales, args.support) for d in args.draft]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_heldout import add_arguments, heldout_batches, load_drafter, load_target, write_report  # noqa: E402
+from train_heldout import add_arguments, load_drafter, setup, write_report  # noqa: E402
 
 KS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -74,11 +74,7 @@ def main() -> int:
     add_arguments(ap, rows=64)
     ap.add_argument("--ks", default=",".join(map(str, KS)))
     ap.add_argument("--out", default="bench/results/train_smollm2/recall_at_k.json")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target = load_target(args.target)
-    batches, n_rows = heldout_batches(args)
+    args, target, batches, n_rows = setup(ap)
     ks = tuple(int(k) for k in args.ks.split(","))
     t0 = time.time()
     results = [measure(d, target, batches, ks) for d in args.draft]
