@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <utility>
 
 namespace dflash {
@@ -106,7 +107,8 @@ int64_t Engine::add_request(RequestInput input) {
   const int64_t worst = scheduler_.worst_case_tokens(*req), cache = allocator_.num_blocks() * bs;
   DFLASH_ARG_CHECK(BlockTable::blocks_for(worst, bs) <= allocator_.num_blocks(), "the request needs ", worst,
                    " KV cache slots (prompt ", prompt, " + max_tokens ", req->max_new_tokens,
-                   spec_.drafter ? " + the verify block" : "", ") but the cache holds only ", cache,
+                   spec_.drafter ? " + " + std::to_string(worst - prompt - req->max_new_tokens) + " of a verify block" : "",
+                   ") but the cache holds only ", cache,
                    BlockTable::blocks_for(prompt + 1, bs) > allocator_.num_blocks()
                        ? " (the prompt alone does not fit); raise kv_cache_tokens"
                        : "; raise kv_cache_tokens or lower max_tokens");
