@@ -268,6 +268,7 @@ NB_MODULE(_core, m) {
       .def_rw("block_size", &SessionConfig::block_size)
       .def_rw("max_num_seqs", &SessionConfig::max_num_seqs)
       .def_rw("max_num_batched_tokens", &SessionConfig::max_num_batched_tokens)
+      .def_rw("enable_chunked_prefill", &SessionConfig::enable_chunked_prefill)
       .def_rw("num_threads", &SessionConfig::num_threads)
       .def_rw("tap_layers", &SessionConfig::tap_layers)
       .def_rw("draft_dir", &SessionConfig::draft_dir)
@@ -317,6 +318,7 @@ NB_MODULE(_core, m) {
       .def_ro("num_accepted", &RequestMetrics::num_accepted)
       .def_ro("num_spec_emitted", &RequestMetrics::num_spec_emitted)
       .def_ro("accepted_per_position", &RequestMetrics::accepted_per_position)
+      .def_ro("num_preemptions", &RequestMetrics::num_preemptions)
       .def_prop_ro("acceptance_length", &RequestMetrics::acceptance_length);
 
   nb::class_<RequestResult>(m, "RequestResult")
@@ -352,7 +354,9 @@ NB_MODULE(_core, m) {
       .def_ro("num_eager_decode_steps", &EngineStats::num_eager_decode_steps)
       .def_ro("num_eager_forwards", &EngineStats::num_eager_forwards)
       .def_ro("num_pipelined_steps", &EngineStats::num_pipelined_steps)
-      .def_ro("num_dropped_rows", &EngineStats::num_dropped_rows);
+      .def_ro("num_dropped_rows", &EngineStats::num_dropped_rows)
+      .def_ro("num_preemptions", &EngineStats::num_preemptions)
+      .def_ro("num_prefill_chunks", &EngineStats::num_prefill_chunks);
 
   nb::class_<SessionStats>(m, "SessionStats")
       .def_ro("device", &SessionStats::device)

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <utility>
 
 namespace dflash {
@@ -100,13 +101,17 @@ int64_t Engine::add_request(RequestInput input) {
   req->id = next_id_++;
   req->max_new_tokens = std::min<int64_t>(s.max_tokens, max_model_len_ - prompt);
   req->input = std::move(input);
-  const int64_t blocks =
-      BlockTable::blocks_for(scheduler_.reserved_tokens(*req), scheduler_.config().block_size);
-  DFLASH_ARG_CHECK(blocks <= allocator_.num_blocks(), "the request needs ",
-                   scheduler_.reserved_tokens(*req), " KV cache slots (prompt ", prompt,
-                   " + max_tokens ", req->max_new_tokens, ") but the cache holds only ",
-                   allocator_.num_blocks() * scheduler_.config().block_size,
-                   "; raise kv_cache_tokens or lower max_tokens");
+  // Admission takes only the blocks a request needs now, but one that could not finish alone in
+  // the whole cache would wait (or be preempted) forever: refused here.
+  const int64_t bs = scheduler_.config().block_size;
+  const int64_t worst = scheduler_.worst_case_tokens(*req), cache = allocator_.num_blocks() * bs;
+  DFLASH_ARG_CHECK(BlockTable::blocks_for(worst, bs) <= allocator_.num_blocks(), "the request needs ", worst,
+                   " KV cache slots (prompt ", prompt, " + max_tokens ", req->max_new_tokens,
+                   spec_.drafter ? " + " + std::to_string(worst - prompt - req->max_new_tokens) + " of a verify block" : "",
+                   ") but the cache holds only ", cache,
+                   BlockTable::blocks_for(prompt + 1, bs) > allocator_.num_blocks()
+                       ? " (the prompt alone does not fit); raise kv_cache_tokens"
+                       : "; raise kv_cache_tokens or lower max_tokens");
   req->metrics.prompt_tokens = prompt;
   if (spec_.drafter) req->metrics.accepted_per_position.assign(spec_.num_spec_tokens, 0);
   req->arrival = Clock::now();
@@ -147,57 +152,60 @@ int64_t Engine::emit(Request* r, const std::vector<int32_t>& tokens, Clock::time
   return n;
 }
 
-void Engine::add_rows(ForwardBatch& batch, Request* r, const std::vector<int32_t>& tokens, int max_blocks,
-                      bool all_logits) {
-  const int64_t start = r->num_computed;
+void Engine::add_rows(ForwardBatch& batch, const PrefillChunk& c, int max_blocks, int64_t first_logit) {
+  Request* r = c.req;
+  const int64_t start = r->num_computed, end = c.end();
   const int64_t row0 = batch.num_tokens();
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    const int64_t pos = start + static_cast<int64_t>(i);
-    batch.token_ids.push_back(tokens[i]);
+  for (int64_t pos = start; pos < end; ++pos) {
+    batch.token_ids.push_back(r->token_at(pos));
     batch.positions.push_back(static_cast<int32_t>(pos));
     batch.slots.push_back(r->blocks.slot(pos));
   }
   r->blocks.truncate(start);
-  r->blocks.append(static_cast<int64_t>(tokens.size()));
+  r->blocks.append(c.num_tokens);
   if (batch.query_start.empty()) batch.query_start.push_back(0);
   batch.query_start.push_back(static_cast<int32_t>(batch.num_tokens()));
-  batch.kv_len.push_back(static_cast<int32_t>(start + static_cast<int64_t>(tokens.size())));
+  batch.kv_len.push_back(static_cast<int32_t>(end));
   std::vector<int32_t> row(r->blocks.blocks());
   row.resize(max_blocks, 0);
   batch.block_table.insert(batch.block_table.end(), row.begin(), row.end());
   batch.max_blocks_per_seq = max_blocks;
-  for (int64_t t = all_logits ? row0 : batch.num_tokens() - 1; t < batch.num_tokens(); ++t) {
-    batch.logit_rows.push_back(static_cast<int32_t>(t));
+  for (int64_t pos = std::max(first_logit, start); pos < end; ++pos) {
+    batch.logit_rows.push_back(static_cast<int32_t>(row0 + pos - start));
   }
 }
 
 namespace {
-int max_blocks_of(const std::vector<Request*>& reqs) {
+int max_blocks_of(const std::vector<PrefillChunk>& chunks) {
   int m = 0;
-  for (const Request* r : reqs) m = std::max<int>(m, static_cast<int>(r->blocks.blocks().size()));
+  for (const PrefillChunk& c : chunks) m = std::max<int>(m, static_cast<int>(c.req->blocks.blocks().size()));
   return m;
-}
-
-// The tokens of r not yet in the KV cache (the prompt for a new request, else the last token).
-std::vector<int32_t> pending_tokens(const Request* r) {
-  std::vector<int32_t> out;
-  for (int64_t pos = r->num_computed; pos < r->num_tokens(); ++pos) out.push_back(r->token_at(pos));
-  return out;
 }
 }  // namespace
 
 std::vector<StepOutput> Engine::step() {
   if (pending_) return finish_pending(/*allow_next=*/true);
   if (!stashed_.empty()) return std::exchange(stashed_, {});
-  std::vector<Request*> running = scheduler_.schedule();
-  if (running.empty()) return {};
+  Schedule plan = scheduler_.schedule();
+  stats_.num_preemptions += plan.num_preempted;
+  if (plan.empty()) {
+    // With nothing running every block is free, and add_request refused requests that do not fit.
+    DFLASH_CHECK(!scheduler_.has_unfinished(), "the scheduler ran nothing with ", scheduler_.num_waiting(),
+                 " requests waiting and ", scheduler_.num_running(), " running");
+    return {};
+  }
   stats_.num_steps += 1;
-  // Requests past their prefill go through the decode program (a graph on CUDA); new prompts
+  stats_.num_prefill_chunks += static_cast<int64_t>(plan.prefill.size());
+  // Requests past their prefill go through the decode program (a graph on CUDA); prefill chunks
   // (and AR decode rows that record taps) through one eager ragged forward.
-  std::vector<Request*> decode, eager;
-  for (Request* r : running) {
-    const bool decoding = r->num_computed > 0 && (spec_.drafter || !r->input.record_taps);
-    (decoding ? decode : eager).push_back(r);
+  std::vector<Request*> decode;
+  std::vector<PrefillChunk> eager = plan.prefill;
+  for (Request* r : plan.decode) {
+    if (spec_.drafter || !r->input.record_taps) {
+      decode.push_back(r);
+    } else {
+      eager.push_back({r, r->num_tokens() - r->num_computed});
+    }
   }
   std::vector<StepOutput> outputs, prefilled;
   double prefill_s = 0.0;
@@ -240,17 +248,28 @@ bool Engine::can_pipeline(const std::vector<Request*>& rows, const std::vector<b
 
 std::optional<Engine::PendingStep> Engine::launch_ahead(const std::vector<Request*>& rows,
                                                         const std::vector<bool>& dead, bool fed) {
+  // The step not yet read (fed) emits one more token: a request continues past it only if
+  // that token does not reach max_new_tokens (an EOS or stop token cannot be known yet).
+  const int64_t pending_tokens = fed ? 1 : 0;
+  std::vector<size_t> continuing;
+  int64_t more_blocks = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Request* r = rows[i];
+    if (dead[i] || r->status == RequestStatus::kFinished) continue;
+    if (static_cast<int64_t>(r->output.size()) + pending_tokens >= r->max_new_tokens) continue;
+    continuing.push_back(i);
+    more_blocks += std::max<int64_t>(0, BlockTable::blocks_for(r->num_computed + pending_tokens + 1,
+                                                                 r->blocks.block_size()) -
+                                            static_cast<int64_t>(r->blocks.blocks().size()));
+  }
+  // Growing a block table may need a preemption, which only the scheduler's step does.
+  if (!allocator_.can_allocate(more_blocks)) return std::nullopt;
   PendingStep next;
   std::vector<DecodeRow> drows;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    if (dead[i]) continue;
+  for (size_t i : continuing) {
     Request* r = rows[i];
-    if (r->status == RequestStatus::kFinished) continue;
-    // The step not yet read (fed) emits one more token: the request continues past it only if
-    // that token does not reach max_new_tokens (an EOS or stop token cannot be known yet).
-    const int64_t pending_tokens = fed ? 1 : 0;
-    if (static_cast<int64_t>(r->output.size()) + pending_tokens >= r->max_new_tokens) continue;
     const int64_t q0 = r->num_computed + pending_tokens;
+    r->blocks.reserve(q0 + 1, allocator_);
     const SamplingConfig& s = r->input.sampling;
     DecodeRow d;
     d.q0 = q0;
@@ -370,45 +389,57 @@ std::vector<StepOutput> Engine::autoregressive_decode(const std::vector<Request*
   return outputs;
 }
 
-std::vector<StepOutput> Engine::autoregressive_step(const std::vector<Request*>& running) {
-  // One ragged batch: the whole prompt of a new request, the last sampled token otherwise.
+std::vector<StepOutput> Engine::autoregressive_step(const std::vector<PrefillChunk>& rows) {
+  // One ragged batch of prefill chunks and decode rows. Logits: the last row of a chunk that
+  // samples, and the prompt rows of requests that record them (not again after a preemption:
+  // recordings skip the rows below max_computed, which a recompute computes a second time).
   ForwardBatch batch;
-  const int max_blocks = max_blocks_of(running);
-  std::vector<int64_t> sample_row(running.size()), first_logit_row(running.size());
-  for (size_t i = 0; i < running.size(); ++i) {
-    Request* r = running[i];
+  const int max_blocks = max_blocks_of(rows);
+  std::vector<int64_t> first_logit_row(rows.size()), num_logit_rows(rows.size());
+  std::vector<int64_t> sample_idx;  // logit row of each sampling chunk
+  std::vector<SampleRow> samples;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const PrefillChunk& c = rows[i];
+    const Request* r = c.req;
+    const int64_t prompt = static_cast<int64_t>(r->input.prompt.size());
+    int64_t first = c.samples() ? c.end() - 1 : c.end();
+    if (r->input.record_prompt_logits) {
+      const int64_t lo = std::max(r->num_computed, r->max_computed);
+      if (lo < std::min(c.end(), prompt)) first = std::min(first, lo);
+    }
     first_logit_row[i] = static_cast<int64_t>(batch.logit_rows.size());
-    add_rows(batch, r, pending_tokens(r), max_blocks, r->input.record_prompt_logits && r->num_computed == 0);
-    sample_row[i] = static_cast<int64_t>(batch.logit_rows.size()) - 1;
+    add_rows(batch, c, max_blocks, first);
+    num_logit_rows[i] = static_cast<int64_t>(batch.logit_rows.size()) - first_logit_row[i];
     batch.want_taps = batch.want_taps || r->input.record_taps;
+    if (c.samples()) {
+      const SamplingConfig& s = r->input.sampling;
+      sample_idx.push_back(static_cast<int64_t>(batch.logit_rows.size()) - 1);
+      samples.push_back(SampleRow{s.temperature, s.top_k, s.top_p, s.seed, c.end()});
+    }
   }
   ForwardResult fwd = model_.forward(batch, pool_);
   const int64_t vocab = model_.config().vocab_size;
 
-  std::vector<SampleRow> rows(running.size());
-  for (size_t i = 0; i < running.size(); ++i) {
-    const Request* r = running[i];
-    rows[i] = {r->input.sampling.temperature, r->input.sampling.top_k, r->input.sampling.top_p,
-               r->input.sampling.seed, r->num_tokens()};
-  }
-  std::vector<int32_t> sampled(running.size());
-  if (batch.logit_rows.size() == running.size()) {
-    backend_.sample(fwd.logits, rows, sampled.data());
-  } else {
-    std::vector<int32_t> idx(sample_row.begin(), sample_row.end());
-    const int64_t n = static_cast<int64_t>(idx.size());
-    Tensor picked = backend_.empty({n, vocab}, DType::kF32);
-    backend_.gather_rows(fwd.logits, backend_.upload_i32(idx.data(), {n}), picked);
-    backend_.sample(picked, rows, sampled.data());
+  std::vector<int32_t> sampled(samples.size());
+  if (!samples.empty()) {
+    if (sample_idx.size() == batch.logit_rows.size()) {
+      backend_.sample(fwd.logits, samples, sampled.data());
+    } else {
+      std::vector<int32_t> idx(sample_idx.begin(), sample_idx.end());
+      const int64_t n = static_cast<int64_t>(idx.size());
+      Tensor picked = backend_.empty({n, vocab}, DType::kF32);
+      backend_.gather_rows(fwd.logits, backend_.upload_i32(idx.data(), {n}), picked);
+      backend_.sample(picked, samples, sampled.data());
+    }
   }
 
   // Recordings (tests and debugging) copy to the host.
   bool any_record = false;
-  for (Request* r : running) any_record = any_record || r->input.record_logits || r->input.record_taps;
+  for (const PrefillChunk& c : rows) any_record = any_record || c.req->input.record_logits || c.req->input.record_taps;
   std::vector<float> host_logits, host_taps;
   if (any_record) {
     host_logits.resize(fwd.logits.numel());
-    backend_.download_f32(fwd.logits, host_logits.data());
+    if (!host_logits.empty()) backend_.download_f32(fwd.logits, host_logits.data());
     if (!fwd.taps.empty()) {
       host_taps.resize(fwd.taps.numel());
       backend_.download_f32(fwd.taps, host_taps.data());
@@ -418,21 +449,26 @@ std::vector<StepOutput> Engine::autoregressive_step(const std::vector<Request*>&
   const Clock::time_point now = Clock::now();
   stats_.num_forward_tokens += batch.num_tokens();
   std::vector<StepOutput> outputs;
-  for (size_t i = 0; i < running.size(); ++i) {
-    Request* r = running[i];
-    const int64_t fed_from = r->num_computed;
-    r->num_computed = r->num_tokens();
+  size_t next_sample = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const PrefillChunk& c = rows[i];
+    Request* r = c.req;
+    const bool samples_here = c.samples();
+    const int64_t start = r->num_computed, end = c.end();
     if (r->input.record_logits) {
-      const int64_t n = sample_row[i] + 1 - first_logit_row[i];
-      r->logits.insert(r->logits.end(), host_logits.begin() + first_logit_row[i] * vocab,
-                       host_logits.begin() + (first_logit_row[i] + n) * vocab);
+      const int64_t row0 = first_logit_row[i], n = num_logit_rows[i];
+      r->logits.insert(r->logits.end(), host_logits.begin() + row0 * vocab, host_logits.begin() + (row0 + n) * vocab);
     }
     if (r->input.record_taps && !host_taps.empty()) {
       const int64_t width = fwd.taps.dim(1), row0 = batch.query_start[i];
-      const int64_t n = r->num_computed - fed_from;
-      r->taps.insert(r->taps.end(), host_taps.begin() + row0 * width, host_taps.begin() + (row0 + n) * width);
+      const int64_t from = std::max(start, r->max_computed);
+      if (from < end) {
+        r->taps.insert(r->taps.end(), host_taps.begin() + (row0 + from - start) * width,
+                       host_taps.begin() + (row0 + end - start) * width);
+      }
     }
-    outputs.push_back(emit_sampled(r, sampled[i], now));
+    r->num_computed = end;
+    if (samples_here) outputs.push_back(emit_sampled(r, sampled[next_sample++], now));
   }
   return outputs;
 }

@@ -1,7 +1,9 @@
-// Engine: runs the step (schedule → forward → sample → commit) over the scheduler's running
-// set. Prefill rows of newly admitted requests and decode rows of running ones go through one
-// ragged forward. Requests are validated on entry; a bad request never disturbs the others.
-// Not thread-safe: one thread drives an engine.
+// Engine: runs the step (schedule → forward → sample → commit) over what the scheduler picked:
+// requests past their prefill go through the decode program (a CUDA graph on CUDA), prefill
+// chunks (new prompts, the next chunk of a long prompt, or the recompute of a preempted
+// request's prompt + generated tokens) through one eager ragged forward in the same step.
+// Requests are validated on entry; a bad request never disturbs the others. Not thread-safe:
+// one thread drives an engine.
 #pragma once
 
 #include <functional>
@@ -42,6 +44,10 @@ struct EngineStats {
   // such steps dropped because their request had ended.
   int64_t num_pipelined_steps = 0;
   int64_t num_dropped_rows = 0;
+  // Scheduling: requests preempted (their KV freed, recomputed on re-admission), and prefill
+  // chunks run (a prompt prefilled in one go counts one; each recompute counts too).
+  int64_t num_preemptions = 0;
+  int64_t num_prefill_chunks = 0;
 };
 
 // How the engine runs decode steps.
@@ -112,12 +118,11 @@ class Engine {
   // Appends emitted tokens one by one until a stop condition; fills `out`; finishes the request
   // when one holds. Returns the number appended.
   int64_t emit(Request* r, const std::vector<int32_t>& tokens, Clock::time_point now, StepOutput* out);
-  // Adds request r's rows (tokens from r->num_computed to the end, or `extra` tokens after
-  // it) to a target batch.
-  void add_rows(ForwardBatch& batch, Request* r, const std::vector<int32_t>& tokens, int max_blocks,
-                bool all_logits);
-  // Eager ragged forward over new prompts and decode rows that record taps (AR).
-  std::vector<StepOutput> autoregressive_step(const std::vector<Request*>& running);
+  // Adds the rows of chunk c (positions from c.req->num_computed) to a target batch, with the
+  // logits of the rows at positions >= first_logit (none when it is past the chunk).
+  void add_rows(ForwardBatch& batch, const PrefillChunk& c, int max_blocks, int64_t first_logit);
+  // Eager ragged forward over prefill chunks and decode rows that record taps (AR).
+  std::vector<StepOutput> autoregressive_step(const std::vector<PrefillChunk>& rows);
   // The AR / speculative decode program over requests past their prefill. `overlap` (may be
   // null) is queued on the stream between the program's launch and the wait for its outputs
   // (the eager prefill of new requests), so that a mixed step synchronises once.
@@ -125,8 +130,9 @@ class Engine {
                                                 const std::function<void()>& overlap);
   std::vector<StepOutput> speculative_decode(const std::vector<Request*>& running,
                                              const std::function<void()>& overlap);
-  // Prefill of new requests with a drafter: target forward with taps, first token, context.
-  std::vector<StepOutput> speculative_prefill(const std::vector<Request*>& running);
+  // Prefill chunks with a drafter: target forward with taps, the drafter's context of every
+  // chunk row, the first token after a new request's last chunk.
+  std::vector<StepOutput> speculative_prefill(const std::vector<PrefillChunk>& chunks);
   // Pipelined AR decode (EngineOptions::async_decode): the step in flight, launched before the
   // host read its predecessor; rows whose request ended meanwhile are dead (their output dropped).
   struct PendingStep {

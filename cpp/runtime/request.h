@@ -1,6 +1,7 @@
 // A generation request as the runtime sees it: token ids in, token ids out, its sampling
 // parameters, its KV blocks, its metrics, and test/debug hooks (forced tokens, recorded logits
-// and hidden-state taps).
+// and hidden-state taps). Its prefill (the prompt, or after a preemption the prompt and all but
+// the last generated token) may run in chunks over several steps.
 #pragma once
 
 #include <chrono>
@@ -51,6 +52,7 @@ struct RequestMetrics {
   int64_t num_accepted = 0;          // draft tokens accepted
   int64_t num_spec_emitted = 0;      // tokens emitted by draft-verify steps (bonus included)
   std::vector<int64_t> accepted_per_position;  // [n] how often draft j was accepted
+  int64_t num_preemptions = 0;       // times its KV blocks were taken back (recomputed later)
   // Mean tokens emitted per draft-verify step, bonus included (tau).
   double acceptance_length() const {
     return num_spec_steps ? static_cast<double>(num_spec_emitted) / num_spec_steps : 0.0;
@@ -65,6 +67,9 @@ struct Request {
   std::vector<int32_t> output;   // generated tokens
   int64_t max_new_tokens = 0;    // after clamping to max_model_len
   int64_t num_computed = 0;      // tokens whose K/V are in the cache
+  // The most tokens ever in the cache (num_computed before any preemption): recordings (logits,
+  // taps) skip rows below it, which a recompute computes a second time.
+  int64_t max_computed = 0;
   BlockTable blocks;
   RequestStatus status = RequestStatus::kWaiting;
   std::string finish_reason;     // "stop", "length" or "abort"
@@ -77,6 +82,13 @@ struct Request {
   int64_t num_tokens() const {
     return static_cast<int64_t>(input.prompt.size() + output.size());
   }
+  // Tokens the prefill puts in the cache before the request decodes: the prompt (the first
+  // token is sampled after it); once tokens are generated (a preempted request), all but the
+  // last, which is the anchor of the next decode step as it would have been without preemption.
+  int64_t prefill_end() const {
+    return output.empty() ? static_cast<int64_t>(input.prompt.size()) : num_tokens() - 1;
+  }
+  bool prefilling() const { return num_computed < prefill_end(); }
   int32_t token_at(int64_t pos) const {
     const int64_t np = static_cast<int64_t>(input.prompt.size());
     return pos < np ? input.prompt[pos] : output[pos - np];

@@ -1,8 +1,18 @@
-// Scheduler: the waiting queue and the running set, with continuous batching. A request is
-// admitted (first come, first served) when the KV blocks for its prompt plus its maximum new
-// tokens are free, when the running set has room, and while the step's prefill token budget
-// lasts; it returns every block when it finishes or is aborted. Admission reserves the worst
-// case up front, so a running request never waits for memory (preemption comes later).
+// Scheduler: the waiting queue and the running set, with continuous batching, admission by the
+// KV blocks a request needs now, chunked prefill and preemption by recompute. Each step:
+//   1. running requests, oldest first: a decoding one grows its block table to hold the slots
+//      its next step writes (lookahead: 1 for AR, anchor + drafts for a speculative step); a
+//      prefilling one gets its next chunk (at most the step's token budget left). When the
+//      blocks run out, the newest running request is preempted: its blocks are freed (target and
+//      drafter KV share the ids) and it goes back to the front of the waiting queue with its
+//      generated tokens, to be prefilled again (prompt + generated tokens) on re-admission;
+//   2. if nobody was preempted, waiting requests are admitted first come first served while the
+//      running set has room, the budget lasts and the blocks of their first chunk (plus their
+//      next step's slots when that chunk ends their prefill) are free.
+// The budget (max_num_batched_tokens) counts prefill tokens; decode rows run in the fixed-shape
+// decode programs. Without chunking, a prefill is scheduled whole (one longer than the budget
+// only as the step's first prefill). A request returns every block when it finishes, is aborted
+// or is preempted. Not thread-safe (the engine's thread owns it).
 #pragma once
 
 #include <deque>
@@ -18,8 +28,28 @@ namespace dflash {
 struct SchedulerConfig {
   int64_t block_size = 16;
   int64_t max_num_seqs = 256;
-  int64_t max_num_batched_tokens = 8192;  // prefill tokens admitted per step (at least one request)
-  int64_t lookahead_tokens = 0;           // extra slots per request (speculative verify)
+  int64_t max_num_batched_tokens = 8192;  // prefill tokens per step (the token budget)
+  int64_t lookahead_tokens = 0;           // slots a decode step writes past the committed tokens (0: 1)
+  bool chunked_prefill = true;            // split prefills longer than the budget across steps
+};
+
+// Rows of one request in an eager forward: [req->num_computed, req->num_computed + num_tokens)
+// (a prefill chunk, or the one row of a decode step that runs eagerly).
+struct PrefillChunk {
+  Request* req = nullptr;
+  int64_t num_tokens = 0;
+  int64_t end() const { return req->num_computed + num_tokens; }
+  // Whether the last row samples the next token: a new request's last prompt chunk, or a decode
+  // row (a resumed request's last chunk ends before its last token and samples nothing).
+  bool samples() const { return end() == req->num_tokens(); }
+};
+
+// What one step runs, in the running set's order.
+struct Schedule {
+  std::vector<Request*> decode;       // past their prefill: one decode / draft-verify row each
+  std::vector<PrefillChunk> prefill;  // prefill chunks (new, partly prefilled or resumed requests)
+  int64_t num_preempted = 0;          // requests preempted while scheduling this step
+  bool empty() const { return decode.empty() && prefill.empty(); }
 };
 
 class Scheduler {
@@ -29,8 +59,8 @@ class Scheduler {
   const SchedulerConfig& config() const { return config_; }
   // Takes ownership; the request waits until admitted.
   void add(std::unique_ptr<Request> req);
-  // Admits waiting requests; returns the running set for this step (admission order).
-  std::vector<Request*> schedule();
+  // Grows, preempts and admits (see the header comment); returns what this step runs.
+  Schedule schedule();
   // Ends a request: frees its blocks and moves it to the finished map.
   void finish(Request* req, const std::string& reason);
   // Aborts a waiting or running request; false if unknown or already finished.
@@ -42,14 +72,21 @@ class Scheduler {
   bool has_unfinished() const { return !waiting_.empty() || !running_.empty(); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
-  // KV slots a request reserves at admission.
-  int64_t reserved_tokens(const Request& req) const;
+  // Slots a decode step writes past the committed tokens (>= 1).
+  int64_t step_tokens() const { return config_.lookahead_tokens > 0 ? config_.lookahead_tokens : 1; }
+  // KV slots the request may hold at most (prompt + max new tokens + a step's lookahead): it must
+  // fit the whole cache, or the request could never finish even alone.
+  int64_t worst_case_tokens(const Request& req) const;
 
  private:
+  // Frees the blocks of the newest running request and puts it at the front of the waiting
+  // queue (its generated tokens kept; num_computed back to 0).
+  void preempt_newest();
+
   SchedulerConfig config_;
   BlockAllocator& allocator_;
   std::deque<std::unique_ptr<Request>> waiting_;
-  std::vector<std::unique_ptr<Request>> running_;
+  std::vector<std::unique_ptr<Request>> running_;  // admission order: the back is the newest
   std::map<int64_t, std::unique_ptr<Request>> finished_;
 };
 

@@ -194,6 +194,7 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   sched.block_size = config.block_size;
   sched.max_num_seqs = config.max_num_seqs;
   sched.max_num_batched_tokens = config.max_num_batched_tokens;
+  sched.chunked_prefill = config.enable_chunked_prefill;
   EngineOptions options;
   options.cuda_graphs = config.cuda_graphs && backend_->kind() == DeviceKind::kCUDA;
   options.pad_batches = config.pad_decode_batches || backend_->kind() == DeviceKind::kCUDA;

@@ -23,7 +23,8 @@ struct SessionConfig {
   int64_t kv_cache_tokens = 0;         // 0: a default from max_model_len and host memory
   int64_t block_size = 16;
   int64_t max_num_seqs = 256;
-  int64_t max_num_batched_tokens = 8192;
+  int64_t max_num_batched_tokens = 8192;  // prefill tokens per step (the chunk budget)
+  bool enable_chunked_prefill = true;     // prefill prompts longer than the budget in chunks over steps
   int num_threads = 0;                 // 0: all hardware threads
   std::vector<int> tap_layers;         // hidden-state taps (set from the drafter when there is one)
   std::string draft_dir;               // a DFlashDraftModel directory: speculative decoding

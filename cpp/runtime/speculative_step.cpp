@@ -1,8 +1,10 @@
 // The DFlash speculative step, read top to bottom. Engine::step (engine.cpp) schedules the
-// running requests and sends new prompts here to speculative_prefill and requests past their
+// running requests and sends prefill chunks here to speculative_prefill and requests past their
 // prefill to speculative_decode:
-//   prefill   one causal target forward with taps over the new prompts, the first token, and
-//             the prompt rows into the drafter's context (its K/V);
+//   prefill   one causal target forward with taps over the chunks (a whole prompt, one chunk of
+//             a long one, or a preempted request's prompt + generated tokens being recomputed),
+//             every chunk row into the drafter's context (its K/V), and the first token after a
+//             new request's last chunk;
 //   decode    the rows of the step are staged into the decode program, which runs (one CUDA
 //             graph on CUDA, eager on the CPU) issue_speculative below:
 //               draft    the drafter proposes n tokens per request from [anchor, MASK x n]
@@ -20,9 +22,9 @@ namespace dflash {
 
 namespace {
 
-int max_blocks_of(const std::vector<Request*>& reqs) {
+int max_blocks_of(const std::vector<PrefillChunk>& chunks) {
   int m = 0;
-  for (const Request* r : reqs) m = std::max<int>(m, static_cast<int>(r->blocks.blocks().size()));
+  for (const PrefillChunk& c : chunks) m = std::max<int>(m, static_cast<int>(c.req->blocks.blocks().size()));
   return m;
 }
 
@@ -42,45 +44,35 @@ double lap(Backend& backend, Clock::time_point* t) {
 
 }  // namespace
 
-std::vector<StepOutput> Engine::speculative_prefill(const std::vector<Request*>& running) {
-  // One causal target forward with taps over the prompts; first token; drafter context.
+std::vector<StepOutput> Engine::speculative_prefill(const std::vector<PrefillChunk>& chunks) {
+  // One causal target forward with taps over the chunks; the drafter's context from the taps of
+  // every row (a chunk's context is that of its positions: the same whether the prompt comes in
+  // one chunk or several, or is recomputed after a preemption); the first token.
   Drafter& drafter = *spec_.drafter;
-  const int max_blocks = max_blocks_of(running);
+  const int max_blocks = max_blocks_of(chunks);
   ForwardBatch batch;
   batch.want_taps = true;
   std::vector<SampleRow> rows;
-  for (Request* r : running) {
-    std::vector<int32_t> prompt(r->input.prompt.begin(), r->input.prompt.end());
-    add_rows(batch, r, prompt, max_blocks, false);
-    rows.push_back(sample_row_of(*r, static_cast<int64_t>(prompt.size())));
+  for (const PrefillChunk& c : chunks) {
+    add_rows(batch, c, max_blocks, c.samples() ? c.end() - 1 : c.end());
+    if (c.samples()) rows.push_back(sample_row_of(*c.req, c.end()));
   }
   ForwardResult fwd = model_.forward(batch, pool_);
-  std::vector<int32_t> sampled(running.size());
-  backend_.sample(fwd.logits, rows, sampled.data());
+  std::vector<int32_t> sampled(rows.size());
+  if (!rows.empty()) backend_.sample(fwd.logits, rows, sampled.data());
   stats_.num_forward_tokens += batch.num_tokens();
+  // Every row is context; written before the tokens are emitted (which may finish a request and
+  // free its blocks; nothing allocates them before the next step, whose writes come later).
+  drafter.update_context(fwd.taps, batch.positions, batch.slots, *spec_.pool);
 
   const Clock::time_point now = Clock::now();
   std::vector<StepOutput> outputs;
-  std::vector<int32_t> ctx_rows, ctx_positions, ctx_slots;
-  for (size_t i = 0; i < running.size(); ++i) {
-    Request* r = running[i];
-    const int64_t prompt = static_cast<int64_t>(r->input.prompt.size());
-    r->num_computed = prompt;
-    StepOutput out = emit_sampled(r, sampled[i], now);
-    if (!out.finished) {
-      for (int64_t j = 0; j < prompt; ++j) {
-        ctx_rows.push_back(batch.query_start[i] + static_cast<int32_t>(j));
-        ctx_positions.push_back(static_cast<int32_t>(j));
-        ctx_slots.push_back(r->blocks.slot(j));
-      }
-    }
-    outputs.push_back(std::move(out));
-  }
-  if (!ctx_rows.empty()) {
-    const int64_t c = static_cast<int64_t>(ctx_rows.size());
-    Tensor taps = backend_.empty({c, fwd.taps.dim(1)}, fwd.taps.dtype);
-    backend_.gather_rows(fwd.taps, backend_.upload_i32(ctx_rows.data(), {c}), taps);
-    drafter.update_context(taps, ctx_positions, ctx_slots, *spec_.pool);
+  size_t next = 0;
+  for (const PrefillChunk& c : chunks) {
+    Request* r = c.req;
+    const bool samples = c.samples();
+    r->num_computed = c.end();
+    if (samples) outputs.push_back(emit_sampled(r, sampled[next++], now));
   }
   return outputs;
 }

@@ -27,6 +27,7 @@ _RUNTIME_KWARGS = {
     "num_threads": "num_threads",
     "cuda_graphs": "cuda_graphs",
     "async_decode": "async_decode",
+    "enable_chunked_prefill": "enable_chunked_prefill",
 }
 
 
@@ -110,8 +111,10 @@ class Session:
         CPU is a ValueError), async_decode (default False: pipelined target-only decoding; each
         step launches the next before reading its own tokens, so host work between steps overlaps
         the device; outputs are the same; with a draft model it is a ValueError, and without a
-        model_dir or draft it turns the implicit default drafter off). Unknown
-        keywords raise TypeError.
+        model_dir or draft it turns the implicit default drafter off), enable_chunked_prefill
+        (default True: a prompt longer than max_num_batched_tokens, the prefill tokens per step,
+        is prefilled in chunks over several steps while running requests keep decoding; False
+        prefills each prompt in one step). Unknown keywords raise TypeError.
     """
 
     def __init__(
@@ -174,6 +177,11 @@ class Session:
             if not isinstance(async_decode, bool):
                 raise ValueError(f"async_decode must be True or False, got {async_decode!r}")
             config.async_decode = async_decode
+        chunked = kwargs.pop("enable_chunked_prefill", None)
+        if chunked is not None:
+            if not isinstance(chunked, bool):
+                raise ValueError(f"enable_chunked_prefill must be True or False, got {chunked!r}")
+            config.enable_chunked_prefill = chunked
         graphs = kwargs.pop("cuda_graphs", None)
         if graphs is not None:
             if not isinstance(graphs, bool):
@@ -435,7 +443,9 @@ class Session:
         of speculative decode steps, measured only when they run eagerly (the phases of a graph
         are not timed separately); decode_time_s: wall time of all decode steps; pipelined_steps /
         dropped_rows (async_decode): steps launched ahead of their predecessor's tokens, and rows
-        of such steps computed for requests that had ended."""
+        of such steps computed for requests that had ended. num_preemptions: running requests whose
+        KV blocks were taken back when the cache ran out (each resumes by recomputing its prompt
+        and generated tokens, with the same output); num_prefill_chunks: prefill chunks run."""
         s = self._core.stats()
         e = s.engine
         return {
@@ -473,4 +483,6 @@ class Session:
             "eager_forwards": e.num_eager_forwards,
             "pipelined_steps": e.num_pipelined_steps,
             "dropped_rows": e.num_dropped_rows,
+            "num_preemptions": e.num_preemptions,
+            "num_prefill_chunks": e.num_prefill_chunks,
         }
