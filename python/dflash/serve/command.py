@@ -15,7 +15,8 @@ DEFAULT_PORT = 8000
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF model directory (default: SmolLM2-135M-Instruct, converted once)")
-    p.add_argument("--served-model-name", help="the model's name in the API (default: the directory's name)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: the directory's name; "
+                                               "SmolLM2-135M-Instruct for the default model)")
     p.add_argument("--draft", help="DFlash drafter directory: speculative decoding; 'default': the drafter shipped "
                                    "for the default model; 'none': none (default: as `dflash generate`)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     import dflash
+    from dflash.default_model import DEFAULT_MODEL_NAME
     from dflash.serve.app import DEFAULT_MAX_BODY_BYTES, build_app
 
     kwargs: Any = {}
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     session = dflash.Session(args.model, draft=args.draft, device=args.device, max_model_len=args.max_model_len,
                              kv_cache_tokens=args.kv_cache_tokens, **kwargs)
     api_key = args.api_key if args.api_key is not None else os.environ.get("DFLASH_API_KEY") or None
-    app = build_app(session, model_name=args.served_model_name, api_key=api_key,
+    model_name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else None)
+    app = build_app(session, model_name=model_name, api_key=api_key,
                     max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, close_session_on_shutdown=True)
     st = session.stats()
     drafter = f", drafter {session.draft_dir}" if session.draft_dir else ""
