@@ -189,6 +189,18 @@ def test_generate_from_several_threads_at_once(sess):
     assert_no_leaks(sess)
 
 
+def test_interrupted_generate_leaves_nothing_behind(sess):
+    params = [SamplingParams(max_tokens=2, ignore_eos=True)] + [SamplingParams(max_tokens=400, ignore_eos=True)] * 3
+
+    def interrupt(index, out):  # Ctrl-C while generate() waits for the other requests
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sess._generate(["a", "b", "c", "d"], params, on_finish=interrupt)
+    assert_no_leaks(sess)
+    assert sess.generate("a", SamplingParams(max_tokens=3, ignore_eos=True))[0].finish_reason == "length"
+
+
 def _engine_threads():
     return [t for t in threading.enumerate() if t.name == "dflash-engine"]
 

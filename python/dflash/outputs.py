@@ -36,7 +36,7 @@ class RequestOutput:
     text: generated text (special tokens skipped, cut before a matched stop string).
     token_ids: generated token ids (including a final EOS / stop token when one ended it).
     finish_reason: "stop" (EOS, stop token or stop string) or "length" (max_tokens or
-        max_model_len).
+        max_model_len); "abort" for a request ended by Session.abort or Session.close.
     """
 
     prompt: Optional[str]

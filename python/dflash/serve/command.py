@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 DEFAULT_PORT = 8000
+_GRACEFUL_SHUTDOWN_S = 5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
           f"{st['max_model_len']}, KV cache {st['kv_cache_tokens']} tokens; http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        # On Ctrl-C / SIGTERM, streams still open after a few seconds are cut (and aborted).
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S)
     finally:
         session.close()
     return 0
