@@ -17,6 +17,11 @@ from dflash.errors import DFlashError
 _log = logging.getLogger("dflash")
 
 
+def _fail_future(future: Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
 class RequestSink(Protocol):
     """The engine thread's view of one request's consumer."""
 
@@ -118,11 +123,19 @@ class EngineLoop:
             later: List[Callable[[], Any]] = []  # sink callbacks and futures, run unlocked
             with self.core_lock:
                 for command in commands:
-                    self._apply(command, later)
-                if closing:
-                    self._abort(list(self._live), later)
-                elif self._live:
-                    self._step(later)
+                    try:
+                        self._apply(command, later)
+                    except Exception as e:  # never leave the caller of a command waiting
+                        _log.exception("dflash: the engine thread failed on a command")
+                        later.append(functools.partial(_fail_future, command[-1], e))
+                try:
+                    if closing:
+                        self._abort(list(self._live), later)
+                    elif self._live:
+                        self._step(later)
+                except Exception as e:  # nor the consumers of live requests
+                    _log.exception("dflash: the engine thread failed in a step")
+                    self._fail_all(e, later)
             for callback in later:
                 try:
                     callback()
@@ -207,8 +220,11 @@ class EngineLoop:
 
     def _fail_all(self, error: Exception, later: List[Callable[[], Any]]) -> None:
         for request_id, sink in list(self._live.items()):
-            self._core.abort(request_id)
-            self._take_result(request_id)
+            try:
+                self._core.abort(request_id)
+                self._take_result(request_id)
+            except Exception:  # the engine is already failing; free what can be freed
+                _log.exception("dflash: aborting request %d failed", request_id)
             later.append(functools.partial(sink.on_error, error))
         self._live.clear()
         self._with_tokens.clear()

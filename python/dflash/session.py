@@ -435,7 +435,6 @@ class Session:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
     # ------------------------------------------------------------------ drafter inspection
     def propose(self, token_ids: Sequence[int]):
         """Drafter debugging: prefill `token_ids`, add their features to the drafter's context,
