@@ -9,6 +9,8 @@
 #   (unparametrized it yields the "llama_gqa" preset).
 # * `hf_model`: a loader returning the transformers reference model in fp32
 #   eval mode, cached per directory.
+# * `long_context_model`: the llama_gqa geometry with 8192 positions (the
+#   server tests keep requests running long enough to disconnect them).
 #
 # Nothing here imports the compiled dflash extension, so tests that do not
 # need it still collect when it has not been built.
@@ -58,6 +60,14 @@ def tiny_model(request: pytest.FixtureRequest, tiny_model_dirs: dict[str, pathli
     if name not in tiny_model_dirs:
         raise KeyError(f"unknown tiny-model preset {name!r}; known: {sorted(tiny_model_dirs)}")
     return tiny_model_dirs[name]
+
+
+@pytest.fixture(scope="session")
+def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A tiny model with a long context, written once (tests/serve_helpers.py)."""
+    from tests.serve_helpers import write_long_context_model
+
+    return write_long_context_model(tmp_path_factory.mktemp("long_context") / "long")
 
 
 @pytest.fixture(scope="session")

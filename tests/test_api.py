@@ -21,7 +21,8 @@ def sess(tiny_model_dirs):
 
 
 def test_public_names_and_build_info(tiny_model_dirs):
-    assert set(dflash.__all__) == {"Session", "SamplingParams", "RequestOutput", "RequestMetrics", "DFlashError"}
+    assert set(dflash.__all__) == {"Session", "SamplingParams", "RequestOutput", "RequestMetrics", "StreamOutput",
+                                   "DFlashError"}
     assert issubclass(dflash.DFlashError, RuntimeError)
     assert isinstance(dflash.built_with_cuda(), bool)
     if not dflash._core.cuda_usable():  # a CPU machine: asking for CUDA says why it cannot

@@ -1,6 +1,6 @@
 """dflash: a speculative-decoding LLM inference runtime with a C++ core.
 
-Public API: Session, SamplingParams, RequestOutput, RequestMetrics, DFlashError.
+Public API: Session, SamplingParams, RequestOutput, RequestMetrics, StreamOutput, DFlashError.
 """
 
 from dflash.errors import DFlashError
@@ -12,10 +12,10 @@ _preload_cublaslt()
 
 from dflash import _core  # noqa: E402
 from dflash.params import SamplingParams  # noqa: E402
-from dflash.outputs import RequestMetrics, RequestOutput  # noqa: E402
+from dflash.outputs import RequestMetrics, RequestOutput, StreamOutput  # noqa: E402
 from dflash.session import Session  # noqa: E402
 
-__all__ = ["Session", "SamplingParams", "RequestOutput", "RequestMetrics", "DFlashError"]
+__all__ = ["Session", "SamplingParams", "RequestOutput", "RequestMetrics", "StreamOutput", "DFlashError"]
 __version__ = "0.1.0"
 
 

@@ -1,6 +1,7 @@
 """The `dflash` command: `generate` (prompts in, text out, with a tokens/s summary),
-`convert-gguf` (a llama-architecture GGUF into a Hugging Face model directory) and `train`
-(a DFlash drafter for a target, see dflash.train)."""
+`serve` (an OpenAI-compatible HTTP server, see dflash.serve), `convert-gguf` (a
+llama-architecture GGUF into a Hugging Face model directory) and `train` (a DFlash drafter for
+a target, see dflash.train)."""
 
 from __future__ import annotations
 
@@ -350,6 +351,27 @@ def _add_bench_parser(sub: Any) -> None:
     a.set_defaults(func=bench_acceptance.run_from_args, _parser=a)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from dflash.serve import command, require_serve_extra
+
+    try:
+        require_serve_extra()
+    except ImportError as e:
+        print(f"dflash: error: {e}", file=sys.stderr)
+        return 2
+    return command.run(args)
+
+
+def _add_serve_parser(sub: Any) -> None:
+    from dflash.serve.command import add_arguments
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra: dflash[serve])",
+                       description="Serve a model over HTTP with OpenAI's API: /v1/chat/completions, "
+                                   "/v1/completions (streamed or not), /v1/models, /health, /metrics.")
+    add_arguments(s)
+    s.set_defaults(func=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash", description="dflash: speculative-decoding LLM runtime")
     sub = p.add_subparsers(dest="command", required=True)
@@ -379,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per output")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     g.set_defaults(func=_cmd_generate)
+
+    _add_serve_parser(sub)
 
     c = sub.add_parser("convert-gguf", help="convert a llama-architecture GGUF to a HF directory")
     c.add_argument("file")

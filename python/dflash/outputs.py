@@ -1,9 +1,10 @@
-"""What Session.generate returns: one RequestOutput per prompt, with its metrics."""
+"""What Session.generate returns (one RequestOutput per prompt, with its metrics) and what
+Session.stream yields (StreamOutput items: text and token ids as they become final)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 
 @dataclass
@@ -35,7 +36,7 @@ class RequestOutput:
     text: generated text (special tokens skipped, cut before a matched stop string).
     token_ids: generated token ids (including a final EOS / stop token when one ended it).
     finish_reason: "stop" (EOS, stop token or stop string) or "length" (max_tokens or
-        max_model_len).
+        max_model_len); "abort" for a request ended by Session.abort or Session.close.
     """
 
     prompt: Optional[str]
@@ -44,3 +45,43 @@ class RequestOutput:
     token_ids: List[int]
     finish_reason: str
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+@dataclass
+class StreamOutput:
+    """One item of Session.stream / Session.astream: the text and token ids of one request that
+    became final since the previous item.
+
+    request_id: the request (Session.abort takes it). text: new text (never half a multi-byte
+    character; text that could start a stop string is held back until decided). token_ids: new
+    token ids. The deltas of a stream concatenate to what generate() returns for the same request.
+    finish_reason: None until the last item; then "stop", "length" or "abort" (Session.abort,
+    or the session closing), and metrics holds the request's metrics.
+    """
+
+    request_id: int
+    text: str = ""
+    token_ids: List[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    metrics: Optional[RequestMetrics] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def metrics_from_core(m: Any) -> RequestMetrics:
+    """RequestMetrics from the C++ runtime's per-request metrics."""
+    return RequestMetrics(
+        prompt_tokens=m.prompt_tokens,
+        generated_tokens=m.generated_tokens,
+        time_to_first_token=m.time_to_first_token_s,
+        decode_tokens_per_s=m.decode_tokens_per_s,
+        total_time=m.total_time_s,
+        num_steps=m.num_steps,
+        acceptance_length=m.acceptance_length,
+        accepted_per_position=list(m.accepted_per_position),
+        num_drafted=m.num_drafted,
+        num_accepted=m.num_accepted,
+        num_spec_steps=m.num_spec_steps,
+    )

@@ -1,18 +1,27 @@
 """Session: the Python face of the C++ runtime. It owns the text side (tokenizer, chat
-template, stop strings) and drives the C++ engine in token ids, with the GIL released while
-C++ runs."""
+template, stop strings) and an engine thread (EngineLoop) that drives the C++ engine in token
+ids, with the GIL released while C++ runs; generate(), stream() and astream() submit to it from
+any thread."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import queue
 import secrets
+import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from dflash import _core
 from dflash.default_model import default_model_dir, resolve_draft
-from dflash.outputs import RequestMetrics, RequestOutput
+from dflash.engine_loop import EngineLoop
+from dflash.outputs import RequestOutput, metrics_from_core
 from dflash.params import SamplingParams
+from dflash.streaming import (AsyncRequestStream, RequestStream, StreamSink, abort_when_submitted, async_put,
+                              blocking_put)
+from dflash.text_stream import TextStream
 from dflash.tokenizer import Tokenizer
 
 Message = Dict[str, Any]
@@ -37,15 +46,29 @@ class _Prompt:
     token_ids: List[int]
 
 
-@dataclass
-class _Live:
-    index: int
-    prompt: _Prompt
-    params: SamplingParams
-    decoder: Any
-    stopped_by_string: bool = False
-    stop_text_end: Optional[int] = None
-    stop_token_count: Optional[int] = None
+class _GenerateSink:
+    """Engine-thread end of one generate() request: stop strings through TextStream, and the
+    finished RequestOutput (with the raw result) handed to the waiting generate() call."""
+
+    def __init__(self, index: int, prompt: _Prompt, text: TextStream,
+                 make_output: Callable[[_Prompt, TextStream, Any], RequestOutput],
+                 put: Callable[[Any], None]) -> None:
+        self.request_id = -1
+        self._index = index
+        self._prompt = prompt
+        self._text = text
+        self._make_output = make_output
+        self._put = put
+
+    def on_tokens(self, token_ids: Sequence[int]) -> bool:
+        self._text.push(token_ids)
+        return self._text.stopped
+
+    def on_finish(self, result: Any) -> None:
+        self._put((self._index, self._make_output(self._prompt, self._text, result), result))
+
+    def on_error(self, error: Exception) -> None:
+        self._put(error)
 
 
 # Bound of the integer options (the C++ side holds them in 32/64-bit integers).
@@ -196,6 +219,10 @@ class Session:
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         self._core = _core.Session(model_dir, config)
         self.model_config = self._core.model_config
+        self._loop = EngineLoop(self._core)
+        # Stops the engine thread when this Session is collected or the interpreter exits; the
+        # thread holds the loop, never the Session.
+        self._finalizer = weakref.finalize(self, self._loop.close)
 
     # ------------------------------------------------------------------ inputs
     def _to_prompt(self, item: Any) -> _Prompt:
@@ -296,105 +323,125 @@ class Session:
                     f"params has {len(per_prompt)} SamplingParams for {len(items)} prompts "
                     "(pass one SamplingParams, or one per prompt)"
                 )
-        live: Dict[int, _Live] = {}
+        inputs = [self._request_input(prompt, p, request_hooks) for prompt, p in zip(items, per_prompt)]
+        if not inputs:
+            return []
+        finished: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        sinks = [_GenerateSink(i, prompt, TextStream(self.tokenizer, p.stop, incremental=False),
+                               self._make_output, finished.put)
+                 for i, (prompt, p) in enumerate(zip(items, per_prompt))]
+        request_ids = self._wait_submitted(self._engine_loop().submit(inputs, sinks))
+        outputs: List[Optional[RequestOutput]] = [None] * len(items)
         try:
-            for i, (prompt, p) in enumerate(zip(items, per_prompt)):
-                req = _core.RequestInput()
-                req.prompt = prompt.token_ids
-                req.sampling = self._sampling_config(p)
-                if request_hooks is not None:
-                    request_hooks(req)
-                rid = self._core.add_request(req)
-                live[rid] = _Live(i, prompt, p, self.tokenizer.incremental_decoder(True))
-            outputs: List[Optional[RequestOutput]] = [None] * len(items)
-            while self._core.has_unfinished():
-                for step in self._core.step():
-                    self._on_step(step, live, outputs, on_finish, results)
+            for _ in range(len(items)):
+                item = finished.get()
+                if isinstance(item, BaseException):
+                    raise item
+                index, out, result = item
+                outputs[index] = out
+                if results is not None:
+                    results.append(result)
+                if on_finish is not None:
+                    on_finish(index, out)
         except BaseException:
             # Leave the session as it was: no request of this call stays queued or holds blocks.
-            for rid in list(live):
-                self._core.abort(rid)
-                try:
-                    self._core.take_result(rid)
-                except ValueError:
-                    pass
+            self._loop.abort(request_ids).result()
             raise
         return [o for o in outputs if o is not None]
 
-    def _on_step(self, step: Any, live: Dict[int, _Live], outputs: list, on_finish, results) -> None:
-        entry = live.get(step.request_id)
-        if entry is None:
-            return
-        finished = step.finished
-        stops = entry.params.stop
-        if stops:
-            before = len(entry.decoder.text)
-            entry.decoder.push(step.new_tokens)
-            text = entry.decoder.text
-            start = max(0, before - max(len(s) for s in stops) + 1)
-            hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-            if hits:
-                entry.stopped_by_string = True
-                entry.stop_text_end = min(hits)
-                entry.stop_token_count = self._tokens_through_stop(entry, stops, start)
-                if not finished:
-                    self._core.abort(step.request_id)
-                finished = True
-        if not finished:
-            return
-        result = self._core.take_result(step.request_id)
-        del live[step.request_id]
-        out = self._make_output(entry, result)
-        outputs[entry.index] = out
-        if results is not None:
-            results.append(result)
-        if on_finish is not None:
-            on_finish(entry.index, out)
+    def _request_input(self, prompt: _Prompt, params: SamplingParams,
+                       request_hooks: Optional[Callable[[Any], None]] = None) -> Any:
+        req = _core.RequestInput()
+        req.prompt = prompt.token_ids
+        req.sampling = self._sampling_config(params)
+        if request_hooks is not None:
+            request_hooks(req)
+        return req
 
-    def _tokens_through_stop(self, entry: _Live, stops: Sequence[str], start: int) -> int:
-        """The fewest generated tokens whose text contains a stop string: a speculative step may
-        emit several tokens past it (and the incremental decoder may have held text back over
-        several steps), which the output must not keep. Binary search over token prefixes."""
-        ids = entry.decoder.token_ids
+    def _engine_loop(self) -> EngineLoop:
+        if self._loop.closed:
+            raise ValueError("this Session is closed")
+        return self._loop
 
-        def contains(k: int) -> bool:
-            text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
-            return any(text.find(s, start) >= 0 for s in stops)
+    def _wait_submitted(self, submitted: "Future[List[int]]") -> List[int]:
+        """The ids of submitted requests; if the wait is interrupted (Ctrl-C), they are aborted
+        as soon as the engine thread has added them."""
+        try:
+            return submitted.result()
+        except BaseException:
+            abort_when_submitted(self._loop, submitted)
+            raise
 
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if contains(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return hi
+    def _make_output(self, prompt: _Prompt, text: TextStream, result: Any) -> RequestOutput:
+        reason = "stop" if text.stopped else result.finish_reason
+        return RequestOutput(prompt.text, prompt.token_ids, text.final_text(result.token_ids),
+                             text.final_token_ids(result.token_ids), reason, metrics_from_core(result.metrics))
 
-    def _make_output(self, entry: _Live, result: Any) -> RequestOutput:
-        token_ids = list(result.token_ids)
-        if entry.stopped_by_string and entry.stop_token_count is not None:
-            token_ids = token_ids[: entry.stop_token_count]
-        if entry.stopped_by_string:
-            text = entry.decoder.text[: entry.stop_text_end]
-            reason = "stop"
-        else:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-            reason = result.finish_reason
-        m = result.metrics
-        metrics = RequestMetrics(
-            prompt_tokens=m.prompt_tokens,
-            generated_tokens=m.generated_tokens,
-            time_to_first_token=m.time_to_first_token_s,
-            decode_tokens_per_s=m.decode_tokens_per_s,
-            total_time=m.total_time_s,
-            num_steps=m.num_steps,
-            acceptance_length=m.acceptance_length,
-            accepted_per_position=list(m.accepted_per_position),
-            num_drafted=m.num_drafted,
-            num_accepted=m.num_accepted,
-            num_spec_steps=m.num_spec_steps,
-        )
-        return RequestOutput(entry.prompt.text, entry.prompt.token_ids, text, token_ids, reason, metrics)
+    # ------------------------------------------------------------------ streaming
+    def stream(self, prompt: PromptLike, params: Optional[SamplingParams] = None) -> RequestStream:
+        """Submits one prompt (a str, a list of token ids, or chat messages) and returns an
+        iterator over its StreamOutput items: text and token ids as they become final (a
+        multi-byte character is never split; text that could start a stop string is held back
+        until decided), then a last item with finish_reason and metrics. The deltas concatenate
+        to what generate() returns. A refused request raises ValueError here. Close the stream
+        (or use it in a `with` block) to abort a request that is not read to its end."""
+        return self._stream(prompt, params)
+
+    def _stream(self, prompt: Any, params: Optional[SamplingParams] = None,
+                request_hooks: Optional[Callable[[Any], None]] = None) -> RequestStream:
+        item, req, text = self._stream_request(prompt, params, request_hooks)
+        items: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        sink = StreamSink(text, blocking_put(items))
+        request_id = self._wait_submitted(self._engine_loop().submit([req], [sink]))[0]
+        return RequestStream(self, self._loop, request_id, item.token_ids, items)
+
+    def astream(self, prompt: PromptLike, params: Optional[SamplingParams] = None) -> AsyncRequestStream:
+        """stream() for asyncio: an async iterator of StreamOutput items, to be called and read
+        in a running event loop, which it never blocks. The request is submitted at once;
+        `await stream.started()` (or the first item) raises the ValueError of a refused request.
+        `await stream.aclose()` (or leaving `async with stream:`) aborts an unfinished request."""
+        return self._astream(prompt, params)
+
+    def _astream(self, prompt: Any, params: Optional[SamplingParams] = None,
+                 request_hooks: Optional[Callable[[Any], None]] = None) -> AsyncRequestStream:
+        event_loop = asyncio.get_running_loop()  # RuntimeError outside a running event loop
+        item, req, text = self._stream_request(prompt, params, request_hooks)
+        items: "asyncio.Queue[Any]" = asyncio.Queue()
+        sink = StreamSink(text, async_put(event_loop, items))
+        submitted = self._engine_loop().submit([req], [sink])
+        return AsyncRequestStream(self, self._loop, submitted, item.token_ids, items)
+
+    def _stream_request(self, prompt: Any, params: Optional[SamplingParams], request_hooks) -> Any:
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        item = self._to_prompt(prompt)
+        return item, self._request_input(item, params, request_hooks), TextStream(self.tokenizer, params.stop)
+
+    def abort(self, request_id: int) -> bool:
+        """Aborts a request of this session (a stream item's request_id) and returns once its KV
+        blocks are free: True if it was unfinished. Its stream ends with finish_reason "abort"."""
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            raise ValueError(f"request_id must be an int, got {request_id!r}")
+        return self._loop.abort([request_id]).result()[0]
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def closed(self) -> bool:
+        return self._loop.closed
+
+    def close(self) -> None:
+        """Stops the engine thread (requests still running end with finish_reason "abort");
+        generating afterwards is a ValueError. Also done by `with Session(...) as s:`, when the
+        session is garbage-collected, and at interpreter exit. stats() still works."""
+        self._loop.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ drafter inspection
     def propose(self, token_ids: Sequence[int]):
@@ -410,7 +457,8 @@ class Session:
         ids = list(token_ids)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("token_ids must be a list of ints")
-        return self._core.propose(ids)
+        with self._loop.core_lock:
+            return self._core.propose(ids)
 
     def propose_details(self, token_ids: Sequence[int]) -> Dict[str, Any]:
         """propose() with the drafter's intermediate results: a dict with draft_ids [n] and
@@ -425,7 +473,8 @@ class Session:
         ids = list(token_ids)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("token_ids must be a list of ints")
-        d = dict(self._core.propose_details(ids))
+        with self._loop.core_lock:
+            d = dict(self._core.propose_details(ids))
         d["draft_ids"] = np.asarray(d["draft_ids"], dtype=np.int32)
         if d["k"] > 0:
             k = d["k"]
@@ -445,8 +494,12 @@ class Session:
         dropped_rows (async_decode): steps launched ahead of their predecessor's tokens, and rows
         of such steps computed for requests that had ended. num_preemptions: running requests whose
         KV blocks were taken back when the cache ran out (each resumes by recomputing its prompt
-        and generated tokens, with the same output); num_prefill_chunks: prefill chunks run."""
-        s = self._core.stats()
+        and generated tokens, with the same output); num_prefill_chunks: prefill chunks run.
+        num_running_requests / num_waiting_requests: unfinished requests that have produced a
+        token / not yet (queued or in their prefill)."""
+        with self._loop.core_lock:  # the engine thread steps the session while holding it
+            s = self._core.stats()
+            running, waiting = self._loop.request_counts()
         e = s.engine
         return {
             "device": s.device,
@@ -485,4 +538,6 @@ class Session:
             "dropped_rows": e.num_dropped_rows,
             "num_preemptions": e.num_preemptions,
             "num_prefill_chunks": e.num_prefill_chunks,
+            "num_running_requests": running,
+            "num_waiting_requests": waiting,
         }

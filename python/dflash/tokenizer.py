@@ -693,6 +693,12 @@ class IncrementalDecoder:
         """All text emitted so far."""
         return "".join(self._parts)
 
+    @property
+    def num_pending_ids(self) -> int:
+        """Ids pushed whose text is not in `text` yet (an incomplete character, or a skipped
+        special token not yet followed by text)."""
+        return len(self._ids) - self._read
+
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
