@@ -39,6 +39,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
+def session_from_args(args: argparse.Namespace) -> Any:
+    """The Session that `dflash serve` with these options serves (also used by the load
+    benchmark for the engine's own tokens/s)."""
+    import dflash
+
+    kwargs: Any = {}
+    for name in ("max_num_seqs", "gpu_memory_utilization", "num_speculative_tokens"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    if args.threads:
+        kwargs["num_threads"] = args.threads
+    return dflash.Session(args.model, draft=args.draft, device=args.device, max_model_len=args.max_model_len,
+                          kv_cache_tokens=args.kv_cache_tokens, **kwargs)
+
+
 def run(args: argparse.Namespace) -> int:
     for name in ("port", "max_body_bytes"):
         value = getattr(args, name)
@@ -47,18 +62,10 @@ def run(args: argparse.Namespace) -> int:
                              f"got {value}")
     import uvicorn
 
-    import dflash
     from dflash.default_model import DEFAULT_MODEL_NAME
     from dflash.serve.app import DEFAULT_MAX_BODY_BYTES, build_app
 
-    kwargs: Any = {}
-    for name in ("max_num_seqs", "gpu_memory_utilization", "num_speculative_tokens"):
-        if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
-    if args.threads:
-        kwargs["num_threads"] = args.threads
-    session = dflash.Session(args.model, draft=args.draft, device=args.device, max_model_len=args.max_model_len,
-                             kv_cache_tokens=args.kv_cache_tokens, **kwargs)
+    session = session_from_args(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("DFLASH_API_KEY") or None
     model_name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else None)
     app = build_app(session, model_name=model_name, api_key=api_key,
