@@ -28,6 +28,7 @@ _RUNTIME_KWARGS = {
     "cuda_graphs": "cuda_graphs",
     "async_decode": "async_decode",
     "enable_chunked_prefill": "enable_chunked_prefill",
+    "enable_prefix_caching": "enable_prefix_caching",
 }
 
 
@@ -114,7 +115,12 @@ class Session:
         model_dir or draft it turns the implicit default drafter off), enable_chunked_prefill
         (default True: a prompt longer than max_num_batched_tokens, the prefill tokens per step,
         is prefilled in chunks over several steps while running requests keep decoding; False
-        prefills each prompt in one step). Unknown keywords raise TypeError.
+        prefills each prompt in one step), enable_prefix_caching (default True: full KV blocks
+        of prompts and generated tokens are kept, keyed by the hash of their whole prefix, and a
+        request whose prompt starts with cached blocks shares them instead of computing them
+        again, the drafter's context included; blocks no request uses are evicted least recently
+        used first, only when the cache needs room; outputs are the same; requests recording
+        prompt logits or taps compute every row). Unknown keywords raise TypeError.
     """
 
     def __init__(
@@ -182,6 +188,11 @@ class Session:
             if not isinstance(chunked, bool):
                 raise ValueError(f"enable_chunked_prefill must be True or False, got {chunked!r}")
             config.enable_chunked_prefill = chunked
+        prefix = kwargs.pop("enable_prefix_caching", None)
+        if prefix is not None:
+            if not isinstance(prefix, bool):
+                raise ValueError(f"enable_prefix_caching must be True or False, got {prefix!r}")
+            config.enable_prefix_caching = prefix
         graphs = kwargs.pop("cuda_graphs", None)
         if graphs is not None:
             if not isinstance(graphs, bool):
@@ -445,7 +456,12 @@ class Session:
         dropped_rows (async_decode): steps launched ahead of their predecessor's tokens, and rows
         of such steps computed for requests that had ended. num_preemptions: running requests whose
         KV blocks were taken back when the cache ran out (each resumes by recomputing its prompt
-        and generated tokens, with the same output); num_prefill_chunks: prefill chunks run."""
+        and generated tokens, with the same output); num_prefill_chunks: prefill chunks run.
+        num_free_blocks counts evictable blocks too (cached, held by no request). Prefix caching:
+        prefix_caching (on or off), num_cached_blocks (blocks holding a cached prefix, in use or
+        not), num_evictable_blocks (those no request holds), num_evicted_blocks (evictions so far),
+        prefix_cache_query_tokens / prefix_cache_hit_tokens (prefill tokens of admitted requests
+        looked up in the cache / found there instead of computed)."""
         s = self._core.stats()
         e = s.engine
         return {
@@ -485,4 +501,10 @@ class Session:
             "dropped_rows": e.num_dropped_rows,
             "num_preemptions": e.num_preemptions,
             "num_prefill_chunks": e.num_prefill_chunks,
+            "prefix_caching": s.prefix_caching,
+            "num_cached_blocks": s.num_cached_blocks,
+            "num_evictable_blocks": s.num_evictable_blocks,
+            "num_evicted_blocks": s.num_evicted_blocks,
+            "prefix_cache_query_tokens": s.prefix_cache_query_tokens,
+            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
         }
