@@ -1,7 +1,8 @@
 // A generation request as the runtime sees it: token ids in, token ids out, its sampling
 // parameters, its KV blocks, its metrics, and test/debug hooks (forced tokens, recorded logits
 // and hidden-state taps). Its prefill (the prompt, or after a preemption the prompt and all but
-// the last generated token) may run in chunks over several steps.
+// the last generated token) may run in chunks over several steps, and starts after the blocks
+// found in the prefix cache (num_computed = the cached tokens on admission).
 #pragma once
 
 #include <chrono>
