@@ -240,9 +240,32 @@ NB_MODULE(_core, m) {
   testing.def("cpu_linear", &cpu_linear, "x"_a, "w"_a, "num_threads"_a = 2,
               "The CPU backend's linear layer x @ w.T (DFLASH_CPU_GEMM picks the kernel).");
   nb::class_<BlockAllocator>(testing, "BlockAllocator")
-      .def(nb::init<int64_t>(), "num_blocks"_a)
+      .def(nb::init<int64_t, bool>(), "num_blocks"_a, "prefix_caching"_a = false)
       .def_prop_ro("num_free", &BlockAllocator::num_free)
-      .def_prop_ro("num_blocks", &BlockAllocator::num_blocks);
+      .def_prop_ro("num_blocks", &BlockAllocator::num_blocks)
+      .def_prop_ro("num_cached", &BlockAllocator::num_cached)
+      .def_prop_ro("num_evictable", &BlockAllocator::num_evictable)
+      .def_prop_ro("num_evictions", &BlockAllocator::num_evictions)
+      .def("ref_count", &BlockAllocator::ref_count, "block"_a)
+      .def("is_cached", &BlockAllocator::is_cached, "block"_a)
+      .def("share", &BlockAllocator::share, "block"_a)
+      .def("allocate", [](BlockAllocator& a, int64_t n) {
+        std::vector<int32_t> out;
+        a.allocate(n, &out);
+        return out;
+      }, "n"_a)
+      .def("free", &BlockAllocator::free, "blocks"_a)
+      .def("cache", [](BlockAllocator& a, int32_t block, uint64_t hash, uint64_t parent,
+                       const std::vector<int32_t>& tokens) {
+        a.cache(block, hash, parent, tokens.data(), static_cast<int64_t>(tokens.size()));
+      }, "block"_a, "hash"_a, "parent"_a, "tokens"_a)
+      .def("lookup", [](const BlockAllocator& a, uint64_t hash, uint64_t parent, const std::vector<int32_t>& tokens) {
+        return a.lookup(hash, parent, tokens.data(), static_cast<int64_t>(tokens.size()));
+      }, "hash"_a, "parent"_a, "tokens"_a);
+  testing.def("prefix_block_hash", [](uint64_t parent, const std::vector<int32_t>& tokens) {
+    return prefix_block_hash(parent, tokens.data(), static_cast<int64_t>(tokens.size()));
+  }, "parent"_a, "tokens"_a, "The chain hash of a full KV block of `tokens` after the block of hash `parent`.");
+  testing.attr("PREFIX_HASH_ROOT") = kPrefixHashRoot;
   nb::class_<BlockTable>(testing, "BlockTable")
       .def(nb::init<int64_t>(), "block_size"_a)
       .def_prop_ro("num_tokens", &BlockTable::num_tokens)
@@ -269,6 +292,7 @@ NB_MODULE(_core, m) {
       .def_rw("max_num_seqs", &SessionConfig::max_num_seqs)
       .def_rw("max_num_batched_tokens", &SessionConfig::max_num_batched_tokens)
       .def_rw("enable_chunked_prefill", &SessionConfig::enable_chunked_prefill)
+      .def_rw("enable_prefix_caching", &SessionConfig::enable_prefix_caching)
       .def_rw("num_threads", &SessionConfig::num_threads)
       .def_rw("tap_layers", &SessionConfig::tap_layers)
       .def_rw("draft_dir", &SessionConfig::draft_dir)
@@ -319,6 +343,7 @@ NB_MODULE(_core, m) {
       .def_ro("num_spec_emitted", &RequestMetrics::num_spec_emitted)
       .def_ro("accepted_per_position", &RequestMetrics::accepted_per_position)
       .def_ro("num_preemptions", &RequestMetrics::num_preemptions)
+      .def_ro("num_cached_tokens", &RequestMetrics::num_cached_tokens)
       .def_prop_ro("acceptance_length", &RequestMetrics::acceptance_length);
 
   nb::class_<RequestResult>(m, "RequestResult")
@@ -366,6 +391,12 @@ NB_MODULE(_core, m) {
       .def_ro("block_size", &SessionStats::block_size)
       .def_ro("num_blocks", &SessionStats::num_blocks)
       .def_ro("num_free_blocks", &SessionStats::num_free_blocks)
+      .def_ro("prefix_caching", &SessionStats::prefix_caching)
+      .def_ro("num_cached_blocks", &SessionStats::num_cached_blocks)
+      .def_ro("num_evictable_blocks", &SessionStats::num_evictable_blocks)
+      .def_ro("num_evicted_blocks", &SessionStats::num_evicted_blocks)
+      .def_ro("prefix_cache_query_tokens", &SessionStats::prefix_cache_query_tokens)
+      .def_ro("prefix_cache_hit_tokens", &SessionStats::prefix_cache_hit_tokens)
       .def_ro("max_model_len", &SessionStats::max_model_len)
       .def_ro("num_threads", &SessionStats::num_threads)
       .def_ro("workspace_bytes", &SessionStats::workspace_bytes)
@@ -402,6 +433,8 @@ NB_MODULE(_core, m) {
       .def("take_result", &Session::take_result, "request_id"_a)
       .def("generate", &Session::generate, "inputs"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("stats", &Session::stats)
+      .def("block_ref_counts", &Session::block_ref_counts,
+           "Test hook: the reference count of every KV block (block tables holding it).")
       .def("propose", [](Session& s, const std::vector<int32_t>& prompt) {
         std::vector<int32_t> drafts;
         std::vector<float> logits;

@@ -1,7 +1,8 @@
 // A generation request as the runtime sees it: token ids in, token ids out, its sampling
 // parameters, its KV blocks, its metrics, and test/debug hooks (forced tokens, recorded logits
 // and hidden-state taps). Its prefill (the prompt, or after a preemption the prompt and all but
-// the last generated token) may run in chunks over several steps.
+// the last generated token) may run in chunks over several steps, and starts after the blocks
+// found in the prefix cache (num_computed = the cached tokens on admission).
 #pragma once
 
 #include <chrono>
@@ -53,6 +54,7 @@ struct RequestMetrics {
   int64_t num_spec_emitted = 0;      // tokens emitted by draft-verify steps (bonus included)
   std::vector<int64_t> accepted_per_position;  // [n] how often draft j was accepted
   int64_t num_preemptions = 0;       // times its KV blocks were taken back (recomputed later)
+  int64_t num_cached_tokens = 0;     // prefill tokens found in the prefix cache (summed over admissions)
   // Mean tokens emitted per draft-verify step, bonus included (tau).
   double acceptance_length() const {
     return num_spec_steps ? static_cast<double>(num_spec_emitted) / num_spec_steps : 0.0;

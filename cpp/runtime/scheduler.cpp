@@ -1,5 +1,5 @@
-// Continuous-batching admission, block-table growth, chunked prefill, preemption by recompute
-// and request lifetime (see scheduler.h).
+// Continuous-batching admission, block-table growth, chunked prefill, preemption by recompute,
+// prefix-cache matching and registration, and request lifetime (see scheduler.h).
 #include "runtime/scheduler.h"
 
 #include <algorithm>
@@ -17,6 +17,62 @@ int64_t Scheduler::worst_case_tokens(const Request& req) const {
   return static_cast<int64_t>(req.input.prompt.size()) + req.max_new_tokens + config_.lookahead_tokens;
 }
 
+namespace {
+// The request's tokens at positions [start, start + n) (prompt, then generated tokens).
+void tokens_of(const Request& r, int64_t start, int64_t n, std::vector<int32_t>* out) {
+  out->resize(n);
+  for (int64_t i = 0; i < n; ++i) (*out)[i] = r.token_at(start + i);
+}
+
+// Whether the request may take its prefix from the cache (recordings need every row computed).
+bool may_match(const Request& r) {
+  return !r.input.record_prompt_logits && !r.input.record_taps;
+}
+}  // namespace
+
+void Scheduler::cache_full_blocks(Request& r) {
+  if (!allocator_.prefix_caching()) return;
+  const int64_t bs = config_.block_size;
+  // Blocks whose every slot holds the K/V of a known token: a speculative step that stopped at a
+  // stop token may have computed rows past the request's last token.
+  const int64_t full = std::min<int64_t>(std::min(r.num_computed, r.num_tokens()) / bs,
+                                         static_cast<int64_t>(r.blocks.blocks().size()));
+  std::vector<int32_t> tokens;
+  for (int64_t k = static_cast<int64_t>(r.blocks.hashes().size()); k < full; ++k) {
+    tokens_of(r, k * bs, bs, &tokens);
+    const uint64_t parent = k == 0 ? kPrefixHashRoot : r.blocks.hashes()[k - 1];
+    const uint64_t hash = prefix_block_hash(parent, tokens.data(), bs);
+    allocator_.cache(r.blocks.blocks()[k], hash, parent, tokens.data(), bs);
+    r.blocks.push_hash(hash);
+  }
+}
+
+void Scheduler::match_prefix(const Request& r, std::vector<int32_t>* blocks, std::vector<uint64_t>* hashes) const {
+  if (!allocator_.prefix_caching() || !may_match(r)) return;
+  const int64_t bs = config_.block_size;
+  const int64_t max_blocks = (r.prefill_end() - 1) / bs;  // the prefill's last token is computed
+  std::vector<int32_t> tokens;
+  uint64_t parent = kPrefixHashRoot;
+  for (int64_t k = 0; k < max_blocks; ++k) {
+    tokens_of(r, k * bs, bs, &tokens);
+    const uint64_t hash = prefix_block_hash(parent, tokens.data(), bs);
+    const int32_t block = allocator_.lookup(hash, parent, tokens.data(), bs);
+    if (block < 0) break;
+    blocks->push_back(block);
+    hashes->push_back(hash);
+    parent = hash;
+  }
+}
+
+void Scheduler::check_writable(const Request& r) const {
+  const std::vector<int32_t>& blocks = r.blocks.blocks();
+  for (size_t k = static_cast<size_t>(r.num_computed / config_.block_size); k < blocks.size(); ++k) {
+    DFLASH_CHECK(allocator_.ref_count(blocks[k]) == 1 && !allocator_.is_cached(blocks[k]), "request ", r.id,
+                 " would write KV block ", blocks[k], " (its block ", k, ", from position ", r.num_computed,
+                 "), which is shared or cached");
+  }
+}
+
 void Scheduler::add(std::unique_ptr<Request> req) {
   req->status = RequestStatus::kWaiting;
   waiting_.push_back(std::move(req));
@@ -26,6 +82,7 @@ void Scheduler::preempt_newest() {
   DFLASH_CHECK(!running_.empty(), "preemption with no running request");
   std::unique_ptr<Request> r = std::move(running_.back());
   running_.pop_back();
+  cache_full_blocks(*r);  // a recompute may find them again
   r->blocks.release(allocator_);
   r->max_computed = std::max(r->max_computed, r->num_computed);
   r->num_computed = 0;
@@ -50,6 +107,9 @@ Schedule Scheduler::schedule() {
     const bool last = r.num_computed + chunk == r.prefill_end();
     return r.num_computed + chunk + (last ? step : 0);
   };
+
+  // 0. Blocks filled by the last step become cacheable.
+  for (auto& r : running_) cache_full_blocks(*r);
 
   // 1. Running requests, oldest first; the newest are preempted when blocks run out.
   for (size_t i = 0; i < running_.size();) {
@@ -76,6 +136,7 @@ Schedule Scheduler::schedule() {
     }
     if (self_preempted) break;  // r was the newest: nothing runs after it
     r->blocks.reserve(need, allocator_);
+    check_writable(*r);
     if (chunk > 0) {
       out.prefill.push_back({r, chunk});
       budget -= chunk;
@@ -90,11 +151,30 @@ Schedule Scheduler::schedule() {
          static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
     Request& r = *waiting_.front();
     DFLASH_CHECK(r.num_computed == 0 && r.blocks.blocks().empty(), "a waiting request holds KV blocks");
+    // Its prefill starts after the blocks found in the prefix cache.
+    std::vector<int32_t> hit;
+    std::vector<uint64_t> hit_hashes;
+    match_prefix(r, &hit, &hit_hashes);
+    const int64_t num_hit = static_cast<int64_t>(hit.size());
+    r.num_computed = num_hit * bs;
     const int64_t chunk = chunk_of(r);
-    if (chunk == 0) break;
-    const int64_t need = needed_tokens(r, chunk);
-    if (!allocator_.can_allocate(BlockTable::blocks_for(need, bs))) break;
+    const int64_t need = chunk > 0 ? needed_tokens(r, chunk) : 0;
+    // Matched blocks that no request references count among the free ones: sharing takes them.
+    int64_t unreferenced = 0;
+    for (int32_t b : hit) unreferenced += allocator_.ref_count(b) == 0 ? 1 : 0;
+    if (chunk == 0 || !allocator_.can_allocate(BlockTable::blocks_for(need, bs) - num_hit + unreferenced)) {
+      r.num_computed = 0;
+      break;
+    }
+    for (int32_t b : hit) allocator_.share(b);  // before allocating: never evicted by it
+    r.blocks.adopt(hit, hit_hashes);
     r.blocks.reserve(need, allocator_);
+    check_writable(r);
+    if (allocator_.prefix_caching() && may_match(r)) {
+      prefix_stats_.query_tokens += r.prefill_end();
+      prefix_stats_.hit_tokens += num_hit * bs;
+    }
+    r.metrics.num_cached_tokens += num_hit * bs;
     r.status = RequestStatus::kRunning;
     out.prefill.push_back({&r, chunk});
     budget -= chunk;
@@ -108,6 +188,7 @@ void Scheduler::finish(Request* req, const std::string& reason) {
   auto it = std::find_if(running_.begin(), running_.end(),
                          [&](const std::unique_ptr<Request>& r) { return r.get() == req; });
   DFLASH_CHECK(it != running_.end(), "finish() of a request that is not running");
+  cache_full_blocks(*req);
   req->blocks.release(allocator_);
   req->status = RequestStatus::kFinished;
   req->finish_reason = reason;

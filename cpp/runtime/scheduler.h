@@ -9,6 +9,16 @@
 //   2. if nobody was preempted, waiting requests are admitted first come first served while the
 //      running set has room, the budget lasts and the blocks of their first chunk (plus their
 //      next step's slots when that chunk ends their prefill) are free.
+// Prefix caching (when the allocator has it): every full block of a request (prompt or generated
+// tokens, once their K/V and the drafter's context K/V are in the cache) is registered under the
+// chain hash of its prefix, at the start of each step and when the request finishes or is
+// preempted. On admission the request's prefill tokens are matched block by block against the
+// cache; the matched blocks are shared (one more reference each) and its prefill starts after
+// them. At least the prefill's last token is always computed (it gives the logits and taps of the
+// first token), so a prefill of exactly N full blocks matches at most N - 1 of them and computes
+// the last block into a fresh one. Requests recording prompt logits or taps match nothing (every
+// row must be computed to be recorded); their blocks are cached for others all the same. Blocks a
+// step writes (from num_computed on) are never shared or cached: checked on every step.
 // The budget (max_num_batched_tokens) counts prefill tokens; decode rows run in the fixed-shape
 // decode programs. Without chunking, a prefill is scheduled whole (one longer than the budget
 // only as the step's first prefill). A request returns every block when it finishes, is aborted
@@ -31,6 +41,12 @@ struct SchedulerConfig {
   int64_t max_num_batched_tokens = 8192;  // prefill tokens per step (the token budget)
   int64_t lookahead_tokens = 0;           // slots a decode step writes past the committed tokens (0: 1)
   bool chunked_prefill = true;            // split prefills longer than the budget across steps
+};
+
+// Prefix cache counters of a scheduler (tokens, summed over admissions).
+struct PrefixCacheStats {
+  int64_t query_tokens = 0;  // prefill tokens of admitted requests that were looked up
+  int64_t hit_tokens = 0;    // of them, found in the cache (not computed)
 };
 
 // Rows of one request in an eager forward: [req->num_computed, req->num_computed + num_tokens)
@@ -77,8 +93,17 @@ class Scheduler {
   // KV slots the request may hold at most (prompt + max new tokens + a step's lookahead): it must
   // fit the whole cache, or the request could never finish even alone.
   int64_t worst_case_tokens(const Request& req) const;
+  const PrefixCacheStats& prefix_cache_stats() const { return prefix_stats_; }
 
  private:
+  // Registers the request's full, computed blocks not yet registered (prefix caching).
+  void cache_full_blocks(Request& req);
+  // The cached blocks matching the request's leading prefill tokens, at most up to its prefill's
+  // second-to-last token, with their chain hashes; takes no reference.
+  void match_prefix(const Request& req, std::vector<int32_t>* blocks, std::vector<uint64_t>* hashes) const;
+  // Throws unless every block the request's next writes go to (from num_computed on) is held by
+  // this request alone and not cached.
+  void check_writable(const Request& req) const;
   // Frees the blocks of the newest running request and puts it at the front of the waiting
   // queue (its generated tokens kept; num_computed back to 0).
   void preempt_newest();
@@ -88,6 +113,7 @@ class Scheduler {
   std::deque<std::unique_ptr<Request>> waiting_;
   std::vector<std::unique_ptr<Request>> running_;  // admission order: the back is the newest
   std::map<int64_t, std::unique_ptr<Request>> finished_;
+  PrefixCacheStats prefix_stats_;
 };
 
 }  // namespace dflash

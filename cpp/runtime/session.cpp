@@ -176,7 +176,7 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
                      " tokens; pass a smaller max_model_len");
   }
   const int64_t num_blocks = BlockTable::blocks_for(kv_tokens, config.block_size);
-  allocator_ = std::make_unique<BlockAllocator>(num_blocks);
+  allocator_ = std::make_unique<BlockAllocator>(num_blocks, config.enable_prefix_caching);
   Speculator spec;
   if (drafter_) {
     spec.drafter = drafter_.get();
@@ -245,6 +245,12 @@ std::vector<RequestResult> Session::generate(std::vector<RequestInput> inputs) {
   return out;
 }
 
+std::vector<int32_t> Session::block_ref_counts() const {
+  std::vector<int32_t> out(allocator_->num_blocks());
+  for (int64_t b = 0; b < allocator_->num_blocks(); ++b) out[b] = allocator_->ref_count(static_cast<int32_t>(b));
+  return out;
+}
+
 SessionStats Session::stats() const {
   SessionStats s;
   s.device = backend_->name();
@@ -253,6 +259,12 @@ SessionStats Session::stats() const {
   s.block_size = session_config_.block_size;
   s.num_blocks = allocator_->num_blocks();  // the reserved padding blocks are not counted
   s.num_free_blocks = allocator_->num_free();
+  s.prefix_caching = allocator_->prefix_caching();
+  s.num_cached_blocks = allocator_->num_cached();
+  s.num_evictable_blocks = allocator_->num_evictable();
+  s.num_evicted_blocks = allocator_->num_evictions();
+  s.prefix_cache_query_tokens = engine_->scheduler().prefix_cache_stats().query_tokens;
+  s.prefix_cache_hit_tokens = engine_->scheduler().prefix_cache_stats().hit_tokens;
   s.kv_cache_tokens = s.num_blocks * s.block_size;
   s.max_model_len = max_model_len_;
   s.num_threads = backend_->num_threads();

@@ -25,6 +25,9 @@ struct SessionConfig {
   int64_t max_num_seqs = 256;
   int64_t max_num_batched_tokens = 8192;  // prefill tokens per step (the chunk budget)
   bool enable_chunked_prefill = true;     // prefill prompts longer than the budget in chunks over steps
+  // Share the KV blocks (target and drafter context) of common prompt prefixes across requests:
+  // full blocks stay cached after their requests end, evicted least recently used first.
+  bool enable_prefix_caching = true;
   int num_threads = 0;                 // 0: all hardware threads
   std::vector<int> tap_layers;         // hidden-state taps (set from the drafter when there is one)
   std::string draft_dir;               // a DFlashDraftModel directory: speculative decoding
@@ -62,7 +65,15 @@ struct SessionStats {
   int64_t kv_cache_tokens = 0;
   int64_t block_size = 0;
   int64_t num_blocks = 0;
-  int64_t num_free_blocks = 0;
+  int64_t num_free_blocks = 0;         // free or evictable (cached, no request holds them)
+  // Prefix caching: cached blocks (referenced or not), the evictable ones among them, blocks
+  // evicted so far; prefill tokens looked up in the cache and found there.
+  bool prefix_caching = false;
+  int64_t num_cached_blocks = 0;
+  int64_t num_evictable_blocks = 0;
+  int64_t num_evicted_blocks = 0;
+  int64_t prefix_cache_query_tokens = 0;
+  int64_t prefix_cache_hit_tokens = 0;
   int64_t max_model_len = 0;
   int num_threads = 0;
   int64_t workspace_bytes = 0;
@@ -90,6 +101,8 @@ class Session {
   // Runs the given requests to completion (C++ convenience; Python drives step() itself).
   std::vector<RequestResult> generate(std::vector<RequestInput> inputs);
   SessionStats stats() const;
+  // Test hook: the reference count of every KV block [num_blocks].
+  std::vector<int32_t> block_ref_counts() const;
   // Drafter inspection (see Engine::propose): drafts [n] and logits [n * vocab].
   void propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* drafts, std::vector<float>* logits,
                Engine::ProposeDetails* details = nullptr) {

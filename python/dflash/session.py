@@ -37,6 +37,7 @@ _RUNTIME_KWARGS = {
     "cuda_graphs": "cuda_graphs",
     "async_decode": "async_decode",
     "enable_chunked_prefill": "enable_chunked_prefill",
+    "enable_prefix_caching": "enable_prefix_caching",
 }
 
 
@@ -137,7 +138,12 @@ class Session:
         model_dir or draft it turns the implicit default drafter off), enable_chunked_prefill
         (default True: a prompt longer than max_num_batched_tokens, the prefill tokens per step,
         is prefilled in chunks over several steps while running requests keep decoding; False
-        prefills each prompt in one step). Unknown keywords raise TypeError.
+        prefills each prompt in one step), enable_prefix_caching (default True: full KV blocks
+        of prompts and generated tokens are kept, keyed by the hash of their whole prefix, and a
+        request whose prompt starts with cached blocks shares them instead of computing them
+        again, the drafter's context included; blocks no request uses are evicted least recently
+        used first, only when the cache needs room; outputs are the same; requests recording
+        prompt logits or taps compute every row). Unknown keywords raise TypeError.
     """
 
     def __init__(
@@ -205,6 +211,11 @@ class Session:
             if not isinstance(chunked, bool):
                 raise ValueError(f"enable_chunked_prefill must be True or False, got {chunked!r}")
             config.enable_chunked_prefill = chunked
+        prefix = kwargs.pop("enable_prefix_caching", None)
+        if prefix is not None:
+            if not isinstance(prefix, bool):
+                raise ValueError(f"enable_prefix_caching must be True or False, got {prefix!r}")
+            config.enable_prefix_caching = prefix
         graphs = kwargs.pop("cuda_graphs", None)
         if graphs is not None:
             if not isinstance(graphs, bool):
@@ -496,7 +507,12 @@ class Session:
         KV blocks were taken back when the cache ran out (each resumes by recomputing its prompt
         and generated tokens, with the same output); num_prefill_chunks: prefill chunks run.
         num_running_requests / num_waiting_requests: unfinished requests that have produced a
-        token / not yet (queued or in their prefill)."""
+        token / not yet (queued or in their prefill). num_free_blocks counts evictable blocks too
+        (cached, held by no request). Prefix caching: prefix_caching (on or off), num_cached_blocks
+        (blocks holding a cached prefix, in use or not), num_evictable_blocks (those no request
+        holds), num_evicted_blocks (evictions so far), prefix_cache_query_tokens /
+        prefix_cache_hit_tokens (prefill tokens of admitted requests looked up in the cache /
+        found there instead of computed)."""
         with self._loop.core_lock:  # the engine thread steps the session while holding it
             s = self._core.stats()
             running, waiting = self._loop.request_counts()
@@ -540,4 +556,10 @@ class Session:
             "num_prefill_chunks": e.num_prefill_chunks,
             "num_running_requests": running,
             "num_waiting_requests": waiting,
+            "prefix_caching": s.prefix_caching,
+            "num_cached_blocks": s.num_cached_blocks,
+            "num_evictable_blocks": s.num_evictable_blocks,
+            "num_evicted_blocks": s.num_evicted_blocks,
+            "prefix_cache_query_tokens": s.prefix_cache_query_tokens,
+            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
         }
