@@ -28,6 +28,9 @@ _RUNTIME_KWARGS = {
     "cuda_graphs": "cuda_graphs",
     "async_decode": "async_decode",
     "enable_chunked_prefill": "enable_chunked_prefill",
+    "speculation": "speculation",
+    "draft_lengths": "draft_lengths",
+    "spec_cost_table": "spec_cost_table",
 }
 
 
@@ -114,7 +117,20 @@ class Session:
         model_dir or draft it turns the implicit default drafter off), enable_chunked_prefill
         (default True: a prompt longer than max_num_batched_tokens, the prefill tokens per step,
         is prefilled in chunks over several steps while running requests keep decoding; False
-        prefills each prompt in one step). Unknown keywords raise TypeError.
+        prefills each prompt in one step), speculation (with a draft model: "fixed", the default,
+        drafts num_speculative_tokens in every decode step; "adaptive" picks per step one draft
+        length for the batch from draft_lengths, 0 being a plain AR step, to maximise the expected
+        tokens per second from step costs measured at start-up and each request's running
+        acceptance by draft position, so speculation stops when it does not pay under load; output
+        stays lossless, but at temperature > 0 a seeded request's tokens then depend on the draft
+        lengths chosen, i.e. on the load, where "fixed" gives the same tokens alone or batched;
+        stats()["spec_cost_table"] and ["spec_length_steps"] show the costs and the choices),
+        draft_lengths (speculation="adaptive": the draft lengths with decode programs, captured
+        per length and batch size on CUDA; default 0, 1, 3, 7, ... and num_speculative_tokens, which
+        are always included), spec_cost_table (speculation="adaptive": the step costs to use instead
+        of measuring them at start-up, as stats()["spec_cost_table"] gives them: {"batch_sizes",
+        "lengths", "seconds"}; its lengths are the draft lengths, so draft_lengths is not passed with
+        it). Unknown keywords raise TypeError.
     """
 
     def __init__(
@@ -182,6 +198,30 @@ class Session:
             if not isinstance(chunked, bool):
                 raise ValueError(f"enable_chunked_prefill must be True or False, got {chunked!r}")
             config.enable_chunked_prefill = chunked
+        speculation = kwargs.pop("speculation", None)
+        if speculation is not None:
+            if speculation not in ("fixed", "adaptive"):
+                raise ValueError(f"speculation must be 'fixed' or 'adaptive', got {speculation!r}")
+            config.speculation = speculation
+        lengths = kwargs.pop("draft_lengths", None)
+        if lengths is not None:
+            if isinstance(lengths, (str, bytes)) or not all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths):
+                raise ValueError(f"draft_lengths must be a list of integers >= 0, got {lengths!r}")
+            config.draft_lengths = [int(n) for n in lengths]
+        costs = kwargs.pop("spec_cost_table", None)
+        if costs is not None:
+            try:
+                rows = [[float(b), *map(float, row)]
+                        for b, row in zip(costs["batch_sizes"], costs["seconds"], strict=True)]
+                table_lengths = [int(n) for n in costs["lengths"]]
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError("spec_cost_table must be a dict of batch_sizes [S], lengths [N] and seconds [S][N] "
+                                 f"(as stats()['spec_cost_table']): {e}") from None
+            if lengths is not None:
+                raise ValueError("spec_cost_table names its draft lengths; pass it or draft_lengths, not both")
+            config.draft_lengths = table_lengths
+            config.spec_cost_table = rows
         graphs = kwargs.pop("cuda_graphs", None)
         if graphs is not None:
             if not isinstance(graphs, bool):
@@ -445,9 +485,18 @@ class Session:
         dropped_rows (async_decode): steps launched ahead of their predecessor's tokens, and rows
         of such steps computed for requests that had ended. num_preemptions: running requests whose
         KV blocks were taken back when the cache ran out (each resumes by recomputing its prompt
-        and generated tokens, with the same output); num_prefill_chunks: prefill chunks run."""
+        and generated tokens, with the same output); num_prefill_chunks: prefill chunks run.
+        speculation: "fixed" / "adaptive" (None without a drafter); draft_lengths: the draft lengths
+        with decode programs; spec_length_steps: {draft length: speculative decode steps run with
+        it} (0: AR steps of adaptive speculation, not counted in num_spec_steps);
+        spec_cost_table (adaptive): {"batch_sizes", "lengths", "seconds" [batch size][length]},
+        the step costs the policy uses, measured at start-up in spec_cost_measure_s."""
         s = self._core.stats()
         e = s.engine
+        costs = None
+        if s.spec_cost_batch_sizes:
+            costs = {"batch_sizes": list(s.spec_cost_batch_sizes), "lengths": list(s.spec_cost_lengths),
+                     "seconds": [list(row) for row in s.spec_cost_seconds]}
         return {
             "device": s.device,
             "weight_bytes": s.weight_bytes,
@@ -485,4 +534,9 @@ class Session:
             "dropped_rows": e.num_dropped_rows,
             "num_preemptions": e.num_preemptions,
             "num_prefill_chunks": e.num_prefill_chunks,
+            "speculation": s.speculation or None,
+            "draft_lengths": list(s.draft_lengths),
+            "spec_length_steps": {n: e.spec_length_steps[n] for n in s.draft_lengths},
+            "spec_cost_table": costs,
+            "spec_cost_measure_s": e.time_measure_costs_s,
         }
