@@ -5,15 +5,20 @@
 //             a long one, or a preempted request's prompt + generated tokens being recomputed),
 //             every chunk row into the drafter's context (its K/V), and the first token after a
 //             new request's last chunk;
-//   decode    the rows of the step are staged into the decode program, which runs (one CUDA
-//             graph on CUDA, eager on the CPU) issue_speculative below:
+//   length    the step's draft length n: num_speculative_tokens, or with adaptive speculation
+//             one length for the whole batch chosen by the policy (spec_policy.h) among those
+//             with decode programs; n = 0 runs issue_context_step (target forward with taps,
+//             sampling, the anchor into the drafter's context: an AR step after which any
+//             length can draft again);
+//   decode    the rows of the step are staged into the decode program of that length, which
+//             runs (one CUDA graph on CUDA, eager on the CPU) issue_speculative below:
 //               draft    the drafter proposes n tokens per request from [anchor, MASK x n]
 //                        (drafter.h: argmax, sampled, or DFlash2's candidate walk);
 //               verify   one causal target forward over [anchor, drafts] with taps;
 //               accept   greedy prefix match, or exact rejection sampling against the proposal;
 //               context  the verify rows' taps into the drafter's context;
 //   commit    back on the host: truncate the target KV to the accepted length, emit the tokens
-//             with stop checks, and the per-request metrics.
+//             with stop checks, the per-request metrics and the policy's acceptance estimates.
 #include <algorithm>
 
 #include "runtime/engine.h"
