@@ -65,8 +65,9 @@ class DecodePrograms {
   const std::vector<int64_t>& lengths() const { return lengths_; }
   // Times a step of every draft length at a range of batch sizes, all rows padding (they write
   // the trash blocks only): the graph sizes when padding, else 1, 2, 4, 8 (capped at max_batch;
-  // SpecCostTable extrapolates past them). Each cost is the fastest of a few runs after a
-  // warm-up, from staging to the outputs on the host. Graphs must be captured first.
+  // SpecCostTable extrapolates past them). Each cost is the fastest of a few runs (3 replays of
+  // a captured graph; 2 eager runs after an untimed one), from staging to the outputs on the
+  // host. Graphs must be captured first.
   SpecCostTable measure_costs();
   // The padded batch sizes (graph sizes) and the one used for `rows` requests.
   const std::vector<int64_t>& sizes() const { return sizes_; }
