@@ -239,6 +239,45 @@ NB_MODULE(_core, m) {
               "The CPU backend's DFlash2 grouped dynamic conv (one side): out [N, H].");
   testing.def("cpu_linear", &cpu_linear, "x"_a, "w"_a, "num_threads"_a = 2,
               "The CPU backend's linear layer x @ w.T (DFLASH_CPU_GEMM picks the kernel).");
+  // Adaptive speculation's policy (runtime/spec_policy.h) on synthetic cost tables: rows
+  // [batch_size, seconds of each of `lengths`].
+  testing.def("spec_expected_tokens", &spec_expected_tokens, "rates"_a, "length"_a, "remaining"_a,
+              "E[min(accepted + 1, remaining)] of a step with `length` drafts at per-position acceptance `rates`.");
+  testing.def("spec_cost", [](const std::vector<int64_t>& lengths, const std::vector<std::vector<double>>& rows,
+                              int64_t batch, int64_t length) {
+    const SpecCostTable t = SpecCostTable::from_rows(lengths, rows);
+    const auto it = std::find(t.lengths.begin(), t.lengths.end(), length);
+    DFLASH_ARG_CHECK(it != t.lengths.end(), "length ", length, " is not in the table");
+    return t.cost(batch, static_cast<size_t>(it - t.lengths.begin()));
+  }, "lengths"_a, "rows"_a, "batch"_a, "length"_a, "The cost table's (interpolated) seconds of a step.");
+  testing.def("spec_choose_length", [](const std::vector<int64_t>& lengths, const std::vector<std::vector<double>>& rows,
+                                       int64_t batch, const std::vector<std::vector<double>>& rates,
+                                       const std::vector<int64_t>& remaining) {
+    const SpecCostTable t = SpecCostTable::from_rows(lengths, rows);
+    std::vector<const std::vector<double>*> r;
+    for (const auto& x : rates) {
+      DFLASH_ARG_CHECK(static_cast<int64_t>(x.size()) >= t.lengths.back(), "acceptance rates must cover the longest length");
+      r.push_back(&x);
+    }
+    return t.lengths[spec_choose_length(t, batch, r, remaining)];
+  }, "lengths"_a, "rows"_a, "batch"_a, "rates"_a, "remaining"_a,
+     "The draft length the policy picks for a step of requests with these acceptance rates and tokens left.");
+  nb::class_<SpecPolicy>(testing, "SpecPolicy")
+      .def("__init__", [](SpecPolicy* p, int64_t max_length, const std::vector<int64_t>& lengths,
+                          const std::vector<std::vector<double>>& rows, double prior, double request_rate,
+                          double global_rate) {
+        SpecPolicyConfig c;
+        c.prior = prior;
+        c.request_rate = request_rate;
+        c.global_rate = global_rate;
+        new (p) SpecPolicy(max_length, c, SpecCostTable::from_rows(lengths, rows));
+      }, "max_length"_a, "lengths"_a, "rows"_a, "prior"_a = 0.6, "request_rate"_a = 0.125, "global_rate"_a = 0.02)
+      .def("choose", &SpecPolicy::choose, "ids"_a, "remaining"_a, "batch"_a)
+      .def("observe", &SpecPolicy::observe, "id"_a, "length"_a, "accepted"_a)
+      .def("forget", &SpecPolicy::forget, "id"_a)
+      .def("rates", [](const SpecPolicy& p, int64_t id) { return p.rates(id); }, "id"_a)
+      .def_prop_ro("global_rates", [](const SpecPolicy& p) { return p.global_rates(); })
+      .def_prop_ro("num_tracked", &SpecPolicy::num_tracked);
   nb::class_<BlockAllocator>(testing, "BlockAllocator")
       .def(nb::init<int64_t, bool>(), "num_blocks"_a, "prefix_caching"_a = false)
       .def_prop_ro("num_free", &BlockAllocator::num_free)
@@ -302,7 +341,11 @@ NB_MODULE(_core, m) {
       .def_rw("async_decode", &SessionConfig::async_decode)
       .def_rw("draft_sampling", &SessionConfig::draft_sampling)
       .def_rw("draft_head", &SessionConfig::draft_head)
-      .def_rw("pad_decode_batches", &SessionConfig::pad_decode_batches);
+      .def_rw("pad_decode_batches", &SessionConfig::pad_decode_batches)
+      .def_rw("speculation", &SessionConfig::speculation)
+      .def_rw("draft_lengths", &SessionConfig::draft_lengths)
+      .def_rw("spec_cost_table", &SessionConfig::spec_cost_table)
+      .def_rw("spec_length_schedule", &SessionConfig::spec_length_schedule);
 
   nb::class_<SamplingConfig>(m, "SamplingConfig")
       .def(nb::init<>())
@@ -381,7 +424,9 @@ NB_MODULE(_core, m) {
       .def_ro("num_pipelined_steps", &EngineStats::num_pipelined_steps)
       .def_ro("num_dropped_rows", &EngineStats::num_dropped_rows)
       .def_ro("num_preemptions", &EngineStats::num_preemptions)
-      .def_ro("num_prefill_chunks", &EngineStats::num_prefill_chunks);
+      .def_ro("num_prefill_chunks", &EngineStats::num_prefill_chunks)
+      .def_ro("spec_length_steps", &EngineStats::spec_length_steps)
+      .def_ro("time_measure_costs_s", &EngineStats::time_measure_costs_s);
 
   nb::class_<SessionStats>(m, "SessionStats")
       .def_ro("device", &SessionStats::device)
@@ -407,6 +452,18 @@ NB_MODULE(_core, m) {
       .def_ro("cuda_graphs", &SessionStats::cuda_graphs)
       .def_ro("graph_batch_sizes", &SessionStats::graph_batch_sizes)
       .def_ro("graph_capture_s", &SessionStats::graph_capture_s)
+      .def_ro("speculation", &SessionStats::speculation)
+      .def_ro("draft_lengths", &SessionStats::draft_lengths)
+      .def_prop_ro("spec_cost_batch_sizes", [](const SessionStats& s) { return s.spec_costs.batch_sizes; })
+      .def_prop_ro("spec_cost_lengths", [](const SessionStats& s) { return s.spec_costs.lengths; })
+      .def_prop_ro("spec_cost_seconds", [](const SessionStats& s) {  // [batch sizes][lengths]
+        std::vector<std::vector<double>> rows;
+        const size_t n = s.spec_costs.lengths.size();
+        for (size_t i = 0; i < s.spec_costs.batch_sizes.size(); ++i) {
+          rows.emplace_back(s.spec_costs.seconds.begin() + i * n, s.spec_costs.seconds.begin() + (i + 1) * n);
+        }
+        return rows;
+      })
       .def_ro("engine", &SessionStats::engine);
 
   nb::class_<ModelConfig>(m, "ModelConfig")

@@ -3,6 +3,7 @@
 #include "runtime/decode_program.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 namespace dflash {
@@ -25,6 +26,11 @@ DecodePrograms::DecodePrograms(Backend& backend, Transformer& target, KVPool& ta
   DFLASH_CHECK((config_.num_spec_tokens > 0) == (drafter_ != nullptr), "speculative programs need a drafter");
   n_ = config_.num_spec_tokens;
   q_ = n_ + 1;
+  lengths_ = drafter_ && !config_.draft_lengths.empty() ? config_.draft_lengths : std::vector<int64_t>{n_};
+  std::sort(lengths_.begin(), lengths_.end());
+  lengths_.erase(std::unique(lengths_.begin(), lengths_.end()), lengths_.end());
+  DFLASH_CHECK(lengths_.front() >= 0 && lengths_.back() <= n_, "decode program draft lengths must be in [0, ", n_,
+               "]");
   width_ = BlockTable::blocks_for(config_.max_model_len + q_, config_.block_size);
   width_ = std::max<int64_t>(width_, trash_blocks(q_, config_.block_size));
   if (config_.pad) {
@@ -76,9 +82,9 @@ int64_t DecodePrograms::padded(int64_t rows) const {
   return *std::lower_bound(sizes_.begin(), sizes_.end(), rows);
 }
 
-void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b, int slot) {
+void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b, int64_t n, int slot) {
   const StepInputs<int32_t*> h = host_inputs(slot);
-  const int64_t bs = config_.block_size, q = q_, n = n_;
+  const int64_t bs = config_.block_size, q = drafter_ ? n + 1 : 1;
   const int32_t mask = drafter_ ? static_cast<int32_t>(drafter_->config().mask_token_id) : 0;
   for (int64_t r = 0; r < b; ++r) {
     const bool real = r < static_cast<int64_t>(rows.size());
@@ -99,7 +105,7 @@ void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b, int sl
       h.override_drafts[r * n + j] = row.override_drafts ? row.override_drafts[j] : 0;
     }
     h.use_override[r] = row.override_drafts ? 1 : 0;
-    DFLASH_CHECK(row.feed < 0 || (config_.feed && n == 0), "a fed anchor needs an AR program built with feed");
+    DFLASH_CHECK(row.feed < 0 || (config_.feed && !drafter_), "a fed anchor needs an AR program built with feed");
     h.feed[r] = row.feed;
     h.anchors[r] = row.anchor;
     DFLASH_CHECK(!row.override_drafts || !drafter_ || drafter_->proposal_kind() == ProposalKind::kOneHot,
@@ -127,8 +133,8 @@ void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b, int sl
   backend_.copy_to_device(in_dev_, in_host_[slot].get(), static_cast<size_t>(words) * 4);
 }
 
-void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
-  const int64_t q = q_, n = n_, t = b * q;
+void DecodePrograms::issue(int64_t b, int64_t n, const std::function<void(int)>& phase) {
+  const int64_t q = drafter_ ? n + 1 : 1, t = b * q;
   DeviceBatch d;
   d.num_tokens = t;
   d.token_ids = in_.ids.rows(0, t);
@@ -145,7 +151,7 @@ void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
   params.dtype = DType::kU8;
   params.shape = {b * static_cast<int64_t>(sizeof(SampleParamsPacked))};
 
-  if (n == 0) {
+  if (!drafter_) {
     if (config_.feed) {  // pipelined steps: anchors from the previous step's tokens (before they are overwritten)
       backend_.feed_tokens(d.token_ids, in_.feed.rows(0, b), out_.tokens);
     }
@@ -157,37 +163,95 @@ void DecodePrograms::issue(int64_t b, const std::function<void(int)>& phase) {
     last_logits_ = fwd.logits;
     return;
   }
-  issue_speculative(d, params, phase);
+  if (n == 0) {
+    issue_context_step(d, params, phase);
+  } else {
+    issue_speculative(d, n, params, phase);
+  }
+}
+
+int64_t DecodePrograms::length_of(int64_t length) const {
+  if (length < 0) return lengths_.back();
+  DFLASH_CHECK(std::binary_search(lengths_.begin(), lengths_.end(), length), "no decode program drafts ", length,
+               " tokens (lengths with programs: ", lengths_.size(), ", longest ", lengths_.back(), ")");
+  return length;
+}
+
+size_t DecodePrograms::graph_index(int64_t n, int64_t b) const {
+  const size_t li = static_cast<size_t>(std::lower_bound(lengths_.begin(), lengths_.end(), n) - lengths_.begin());
+  const size_t si = static_cast<size_t>(std::lower_bound(sizes_.begin(), sizes_.end(), b) - sizes_.begin());
+  DFLASH_CHECK(li < lengths_.size() && lengths_[li] == n && si < sizes_.size() && sizes_[si] == b,
+               "no decode program for ", n, " drafts at batch size ", b);
+  return li * sizes_.size() + si;
 }
 
 void DecodePrograms::capture() {
   if (!config_.graphs) return;
   graphs_.clear();
   graph_logits_.clear();
-  for (int64_t s : sizes_) {
-    stage({}, s, 0);  // every row padding: the warm-up run writes the trash blocks only
-    backend_.begin_step();
-    issue(s, nullptr);
-    backend_.synchronize();
-    backend_.begin_step();
-    backend_.capture_begin();
-    try {
-      issue(s, nullptr);
-    } catch (...) {
+  for (int64_t n : lengths_) {
+    for (int64_t s : sizes_) {
+      stage({}, s, n, 0);  // every row padding: the warm-up run writes the trash blocks only
+      backend_.begin_step();
+      issue(s, n, nullptr);
+      backend_.synchronize();
+      backend_.begin_step();
+      backend_.capture_begin();
       try {
-        backend_.capture_end();
+        issue(s, n, nullptr);
       } catch (...) {
+        try {
+          backend_.capture_end();
+        } catch (...) {
+        }
+        throw;
       }
-      throw;
+      graphs_.push_back(backend_.capture_end());
+      graph_logits_.push_back(last_logits_);
     }
-    graphs_.push_back(backend_.capture_end());
-    graph_logits_.push_back(last_logits_);
   }
   backend_.synchronize();
 }
 
-void DecodePrograms::run(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase) {
-  launch(rows, phase);
+SpecCostTable DecodePrograms::measure_costs() {
+  SpecCostTable table;
+  table.lengths = lengths_;
+  if (config_.pad) {
+    table.batch_sizes = sizes_;
+  } else {
+    for (int64_t s = 1; s <= std::min<int64_t>(config_.max_batch, 8); s *= 2) table.batch_sizes.push_back(s);
+    if (table.batch_sizes.back() < std::min<int64_t>(config_.max_batch, 8)) table.batch_sizes.push_back(config_.max_batch);
+  }
+  // Graphs ran once at capture (their first replay, which uploads the graph, is among the timed
+  // runs and the fastest one counts); eager programs run once untimed first.
+  const int warm = config_.graphs ? 0 : 1, runs = config_.graphs ? 3 : 2;
+  const size_t words = static_cast<size_t>(out_layout_.words()) * 4;
+  for (int64_t s : table.batch_sizes) {
+    for (int64_t n : lengths_) {
+      double best = 0.0;
+      for (int i = 0; i < warm + runs; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        stage({}, s, n, 0);  // every row padding: the trash blocks only
+        backend_.begin_step();
+        if (config_.graphs) {
+          backend_.graph_launch(*graphs_[graph_index(n, s)]);
+        } else {
+          issue(s, n, nullptr);
+        }
+        backend_.copy_to_host(out_host_[0].get(), out_dev_, words);
+        backend_.synchronize();
+        const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (i == warm || (i > warm && t < best)) best = t;
+      }
+      table.seconds.push_back(std::max(best, 1e-9));
+    }
+  }
+  table.validate();
+  return table;
+}
+
+void DecodePrograms::run(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase, int64_t length) {
+  launch(rows, phase, length);
   wait();
 }
 
@@ -201,18 +265,20 @@ void DecodePrograms::wait_step(int slot) {
   read_slot_ = slot;
 }
 
-int DecodePrograms::launch(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase) {
+int DecodePrograms::launch(const std::vector<DecodeRow>& rows, const std::function<void(int)>& phase,
+                           int64_t length) {
   const int slot = next_slot_;
   const int64_t b = padded(static_cast<int64_t>(rows.size()));
-  stage(rows, b, slot);
+  const int64_t n = length_of(length);
+  stage(rows, b, n, slot);
   backend_.begin_step();
   if (config_.graphs) {
-    const size_t idx = static_cast<size_t>(std::lower_bound(sizes_.begin(), sizes_.end(), b) - sizes_.begin());
+    const size_t idx = graph_index(n, b);
     DFLASH_CHECK(idx < graphs_.size(), "no captured graph for batch size ", b);
     backend_.graph_launch(*graphs_[idx]);
     last_logits_ = graph_logits_[idx];
   } else {
-    issue(b, phase);
+    issue(b, n, phase);
   }
   backend_.copy_to_host(out_host_[slot].get(), out_dev_, static_cast<size_t>(out_layout_.words()) * 4);
   backend_.record_step(slot);

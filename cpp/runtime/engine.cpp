@@ -31,6 +31,19 @@ Engine::Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocato
                    "acceptance counts (turn one of them off)");
   if (spec_.drafter) {
     stats_.accepted_per_position.assign(spec_.num_spec_tokens, 0);
+    stats_.spec_length_steps.assign(spec_.num_spec_tokens + 1, 0);
+  }
+  DFLASH_ARG_CHECK(!spec_.adaptive || spec_.drafter != nullptr, "adaptive speculation needs a draft model");
+  DFLASH_ARG_CHECK(spec_.length_schedule.empty() || spec_.adaptive,
+                   "a draft length schedule (test hook) needs adaptive speculation");
+  if (spec_.adaptive) {
+    spec_.lengths = spec_lengths_normalize(spec_.lengths, spec_.num_spec_tokens);
+    for (int64_t l : spec_.length_schedule) {
+      DFLASH_ARG_CHECK(std::binary_search(spec_.lengths.begin(), spec_.lengths.end(), l), "the draft length schedule ",
+                       "holds ", l, ", which is not one of the draft lengths with programs");
+    }
+    DFLASH_ARG_CHECK(spec_.costs.empty() || spec_.costs.lengths == spec_.lengths,
+                     "the speculation cost table must have one cost per draft length with programs");
   }
   const int64_t reserved = trash_blocks(spec_, sched.block_size);
   DFLASH_CHECK(pool_.num_blocks >= options.trash_block + reserved && options.trash_block >= allocator_.num_blocks(),
@@ -44,8 +57,18 @@ Engine::Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocato
   pc.pad = options.pad_batches || options.cuda_graphs;
   pc.graphs = options.cuda_graphs;
   pc.feed = async_decode_;
+  if (spec_.adaptive) pc.draft_lengths = spec_.lengths;
   programs_ = std::make_unique<DecodePrograms>(backend_, model_, pool_, spec_.drafter, spec_.pool, pc);
   programs_->capture();
+  if (spec_.adaptive) {
+    SpecCostTable costs = spec_.costs;
+    if (costs.empty()) {
+      const Clock::time_point t0 = Clock::now();
+      costs = programs_->measure_costs();
+      stats_.time_measure_costs_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    }
+    policy_ = std::make_unique<SpecPolicy>(spec_.num_spec_tokens, spec_.policy, std::move(costs));
+  }
 }
 
 Engine::~Engine() {
@@ -59,6 +82,7 @@ Engine::~Engine() {
 
 bool Engine::abort(int64_t id) {
   drain();
+  if (policy_) policy_->forget(id);
   return scheduler_.abort(id);
 }
 
@@ -334,6 +358,7 @@ std::vector<StepOutput> Engine::commit_ar(const std::vector<Request*>& rows, con
 
 void Engine::finish_if_done(Request* r, const StepOutput& out) {
   if (out.finished) {
+    if (policy_) policy_->forget(r->id);
     scheduler_.finish(r, out.finish_reason);
     stats_.num_requests_finished += 1;
   }

@@ -17,6 +17,7 @@
 #include "runtime/decode_program.h"
 #include "runtime/request.h"
 #include "runtime/scheduler.h"
+#include "runtime/spec_policy.h"
 
 namespace dflash {
 
@@ -48,6 +49,11 @@ struct EngineStats {
   // chunks run (a prompt prefilled in one go counts one; each recompute counts too).
   int64_t num_preemptions = 0;
   int64_t num_prefill_chunks = 0;
+  // Speculative decode steps by the draft length they ran with ([num_spec_tokens + 1]; with
+  // fixed speculation all at num_spec_tokens, with adaptive speculation 0 = an AR step), and the
+  // start-up time spent measuring the adaptive policy's step costs.
+  std::vector<int64_t> spec_length_steps;
+  double time_measure_costs_s = 0.0;
 };
 
 // How the engine runs decode steps.
@@ -64,11 +70,22 @@ struct EngineOptions {
 };
 
 // The drafter side of an engine: the model, its KV pool (same block ids as the target's) and
-// the number of draft tokens per step.
+// the number of draft tokens per step (the longest, with adaptive speculation).
 struct Speculator {
   Drafter* drafter = nullptr;
   KVPool* pool = nullptr;
   int64_t num_spec_tokens = 0;
+  // Adaptive speculation (spec_policy.h): each decode step drafts one of `lengths` tokens per
+  // request (0: an AR step keeping the drafter's context), chosen by a SpecPolicy from `costs`
+  // (empty: measured at start-up by timing the decode programs) and the requests' acceptance.
+  // Off: every step drafts num_spec_tokens.
+  bool adaptive = false;
+  std::vector<int64_t> lengths;  // ascending, with 0 and num_spec_tokens (spec_lengths_normalize)
+  SpecCostTable costs;           // lengths == `lengths` when given
+  SpecPolicyConfig policy;
+  // Test hook (adaptive only): speculative decode step k drafts length_schedule[k % size] tokens
+  // (each one of `lengths`) instead of the policy's choice.
+  std::vector<int64_t> length_schedule;
 };
 
 class Engine {
@@ -99,6 +116,11 @@ class Engine {
                ProposeDetails* details = nullptr);
   bool speculative() const { return spec_.drafter != nullptr; }
   int64_t num_spec_tokens() const { return spec_.num_spec_tokens; }
+  bool adaptive() const { return policy_ != nullptr; }
+  // The draft lengths with decode programs (speculative; {num_spec_tokens} when fixed).
+  std::vector<int64_t> draft_lengths() const { return spec_.drafter ? programs_->lengths() : std::vector<int64_t>(); }
+  // The adaptive policy's step costs (empty when speculation is fixed).
+  SpecCostTable spec_costs() const { return policy_ ? policy_->table() : SpecCostTable(); }
   bool abort(int64_t id);
   // Requests still running or waiting, or outputs not yet returned by step().
   bool has_unfinished() const { return scheduler_.has_unfinished() || !stashed_.empty(); }
@@ -130,6 +152,9 @@ class Engine {
                                                 const std::function<void()>& overlap);
   std::vector<StepOutput> speculative_decode(const std::vector<Request*>& running,
                                              const std::function<void()>& overlap);
+  // The draft length of the next speculative decode step over `running`: num_spec_tokens, the
+  // test schedule's next entry, or the adaptive policy's choice.
+  int64_t choose_length(const std::vector<Request*>& running);
   // Prefill chunks with a drafter: target forward with taps, the drafter's context of every
   // chunk row, the first token after a new request's last chunk.
   std::vector<StepOutput> speculative_prefill(const std::vector<PrefillChunk>& chunks);
@@ -170,6 +195,8 @@ class Engine {
   EngineStats stats_;
   Speculator spec_;
   std::unique_ptr<DecodePrograms> programs_;
+  std::unique_ptr<SpecPolicy> policy_;  // adaptive speculation
+  int64_t num_spec_decode_steps_ = 0;   // speculative decode steps run (the test schedule's index)
   bool async_decode_ = false;
   std::optional<PendingStep> pending_;
   std::vector<StepOutput> stashed_;  // outputs of a drained step, returned by the next step()

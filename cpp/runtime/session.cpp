@@ -177,12 +177,25 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   }
   const int64_t num_blocks = BlockTable::blocks_for(kv_tokens, config.block_size);
   allocator_ = std::make_unique<BlockAllocator>(num_blocks, config.enable_prefix_caching);
+  DFLASH_ARG_CHECK(config.speculation == "fixed" || config.speculation == "adaptive",
+                   "speculation must be 'fixed' or 'adaptive', got '", config.speculation, "'");
+  DFLASH_ARG_CHECK(drafter_ || config.speculation == "fixed", "speculation='adaptive' needs a draft model");
+  DFLASH_ARG_CHECK(config.speculation == "adaptive" ||
+                       (config.draft_lengths.empty() && config.spec_cost_table.empty() &&
+                        config.spec_length_schedule.empty()),
+                   "draft_lengths (and the speculation cost table / schedule test hooks) need speculation='adaptive'");
   Speculator spec;
   if (drafter_) {
     spec.drafter = drafter_.get();
     spec.pool = &draft_pool_;
     spec.num_spec_tokens =
         config.num_speculative_tokens > 0 ? config.num_speculative_tokens : drafter_->config().block_size - 1;
+    spec.adaptive = config.speculation == "adaptive";
+    if (spec.adaptive) {
+      spec.lengths = spec_lengths_normalize(config.draft_lengths, spec.num_spec_tokens);
+      if (!config.spec_cost_table.empty()) spec.costs = SpecCostTable::from_rows(spec.lengths, config.spec_cost_table);
+      spec.length_schedule = config.spec_length_schedule;
+    }
   }
   // Past the allocator's blocks: the blocks that padding rows of decode steps write.
   const int64_t pool_blocks = num_blocks + Engine::trash_blocks(spec, config.block_size);
@@ -202,7 +215,8 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   options.async_decode = config.async_decode;
   const Clock::time_point t0 = Clock::now();
   engine_ = std::make_unique<Engine>(*model_, *backend_, pool_, *allocator_, sched, max_model_len_, spec, options);
-  graph_capture_s_ = options.cuda_graphs ? seconds_between(t0, Clock::now()) : 0.0;
+  graph_capture_s_ =
+      options.cuda_graphs ? seconds_between(t0, Clock::now()) - engine_->stats().time_measure_costs_s : 0.0;
 }
 
 RequestResult Session::take_result(int64_t id) {
@@ -278,6 +292,9 @@ SessionStats Session::stats() const {
     s.draft_kv_cache_bytes = static_cast<int64_t>(draft_pool_.k.nbytes() + draft_pool_.v.nbytes());
     s.num_speculative_tokens = engine_->num_spec_tokens();
     s.draft_sampling = draft_sampling_;
+    s.speculation = engine_->adaptive() ? "adaptive" : "fixed";
+    s.draft_lengths = engine_->draft_lengths();
+    s.spec_costs = engine_->spec_costs();
   }
   return s;
 }

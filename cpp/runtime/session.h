@@ -46,6 +46,16 @@ struct SessionConfig {
   // Pad decode steps to the graph batch sizes: always on CUDA; settable on the CPU so that the
   // padding rows' path (reserved KV blocks) is tested there too (test hook, not public API).
   bool pad_decode_batches = false;
+  // With a drafter: "fixed" (every decode step drafts num_speculative_tokens) or "adaptive" (each
+  // step drafts one of draft_lengths tokens per request, 0 = an AR step, chosen from the measured
+  // step costs and the requests' acceptance; runtime/spec_policy.h).
+  std::string speculation = "fixed";
+  std::vector<int64_t> draft_lengths;  // adaptive: the lengths with programs (empty: 0, 1, 3, 7, ..., n)
+  // Test hooks of adaptive speculation (not public API): the step costs instead of measuring
+  // them, rows [batch_size, seconds of each draft length (draft_lengths with 0 and n added,
+  // ascending)]; and a forced draft length per speculative decode step (cycled).
+  std::vector<std::vector<double>> spec_cost_table;
+  std::vector<int64_t> spec_length_schedule;
 };
 
 struct RequestResult {
@@ -84,6 +94,9 @@ struct SessionStats {
   bool cuda_graphs = false;            // decode steps replay captured CUDA graphs
   std::vector<int64_t> graph_batch_sizes;  // padded batch sizes of the decode programs
   double graph_capture_s = 0.0;        // time spent capturing them at start-up
+  std::string speculation;             // "fixed" / "adaptive"; "" without a drafter
+  std::vector<int64_t> draft_lengths;  // draft lengths with decode programs
+  SpecCostTable spec_costs;            // adaptive: the policy's step costs
   EngineStats engine;
 };
 

@@ -5,15 +5,20 @@
 //             a long one, or a preempted request's prompt + generated tokens being recomputed),
 //             every chunk row into the drafter's context (its K/V), and the first token after a
 //             new request's last chunk;
-//   decode    the rows of the step are staged into the decode program, which runs (one CUDA
-//             graph on CUDA, eager on the CPU) issue_speculative below:
+//   length    the step's draft length n: num_speculative_tokens, or with adaptive speculation
+//             one length for the whole batch chosen by the policy (spec_policy.h) among those
+//             with decode programs; n = 0 runs issue_context_step (target forward with taps,
+//             sampling, the anchor into the drafter's context: an AR step after which any
+//             length can draft again);
+//   decode    the rows of the step are staged into the decode program of that length, which
+//             runs (one CUDA graph on CUDA, eager on the CPU) issue_speculative below:
 //               draft    the drafter proposes n tokens per request from [anchor, MASK x n]
 //                        (drafter.h: argmax, sampled, or DFlash2's candidate walk);
 //               verify   one causal target forward over [anchor, drafts] with taps;
 //               accept   greedy prefix match, or exact rejection sampling against the proposal;
 //               context  the verify rows' taps into the drafter's context;
 //   commit    back on the host: truncate the target KV to the accepted length, emit the tokens
-//             with stop checks, and the per-request metrics.
+//             with stop checks, the per-request metrics and the policy's acceptance estimates.
 #include <algorithm>
 
 #include "runtime/engine.h"
@@ -77,8 +82,9 @@ std::vector<StepOutput> Engine::speculative_prefill(const std::vector<PrefillChu
   return outputs;
 }
 
-void DecodePrograms::issue_speculative(DeviceBatch& d, const Tensor& params, const std::function<void(int)>& phase) {
-  const int64_t b = d.meta.num_seqs, n = n_, q = q_, t = b * q;
+void DecodePrograms::issue_speculative(DeviceBatch& d, int64_t n, const Tensor& params,
+                                       const std::function<void(int)>& phase) {
+  const int64_t b = d.meta.num_seqs, q = n + 1, t = b * q;
   auto mark = [&](int p) {
     if (phase) phase(p);
   };
@@ -119,9 +125,47 @@ void DecodePrograms::issue_speculative(DeviceBatch& d, const Tensor& params, con
   mark(3);
 }
 
+void DecodePrograms::issue_context_step(DeviceBatch& d, const Tensor& params, const std::function<void(int)>& phase) {
+  // n = 0: an AR step that keeps the drafter's context exact, so that any later step can draft
+  // (with any length) as if every step had drafted: the anchor's target forward with taps, the
+  // next token sampled as target-only decoding samples it (the same (seed, position) draws), and
+  // the anchor's row into the drafter's context.
+  const int64_t b = d.meta.num_seqs;
+  auto mark = [&](int p) {
+    if (phase) phase(p);
+  };
+  mark(0);  // nothing drafted
+  d.meta.causal = true;
+  d.all_logit_rows = true;
+  d.want_taps = true;
+  ForwardResult fwd = target_.forward(d, target_pool_);
+  mark(1);
+  Tensor next = out_.next_token.rows(0, b);
+  backend_.sample_rows(fwd.logits, params, next);
+  mark(2);
+  drafter_->update_context(fwd.taps, d.positions, d.slots, *draft_pool_);
+  mark(3);
+}
+
+int64_t Engine::choose_length(const std::vector<Request*>& running) {
+  if (!policy_) return spec_.num_spec_tokens;
+  const std::vector<int64_t>& schedule = spec_.length_schedule;
+  if (!schedule.empty()) return schedule[static_cast<size_t>(num_spec_decode_steps_) % schedule.size()];
+  std::vector<int64_t> ids, remaining;
+  for (const Request* r : running) {
+    ids.push_back(r->id);
+    remaining.push_back(r->max_new_tokens - static_cast<int64_t>(r->output.size()));
+  }
+  return policy_->choose(ids, remaining, programs_->padded(static_cast<int64_t>(running.size())));
+}
+
 std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& running,
                                                    const std::function<void()>& overlap) {
-  const int64_t n = spec_.num_spec_tokens;
+  // The step's draft length: fixed, or chosen for the whole batch (adaptive speculation); 0 runs
+  // the AR program that keeps the drafter's context.
+  const int64_t n = choose_length(running);
+  num_spec_decode_steps_ += 1;
+  stats_.spec_length_steps[n] += 1;
   std::vector<DecodeRow> rows(running.size());
   std::vector<std::vector<int32_t>> overrides(running.size());
   for (size_t i = 0; i < running.size(); ++i) {
@@ -146,7 +190,7 @@ std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& 
   Clock::time_point t = Clock::now();
   double* phase_time[] = {&stats_.time_draft_s, &stats_.time_verify_s, &stats_.time_accept_s,
                           &stats_.time_context_s};
-  programs_->launch(rows, [&](int phase) { *phase_time[phase] += lap(backend_, &t); });
+  programs_->launch(rows, [&](int phase) { *phase_time[phase] += lap(backend_, &t); }, n);
   if (overlap) overlap();  // queued behind the program; its own sync also waits for the program
   programs_->wait();
   stats_.num_forward_tokens += static_cast<int64_t>(running.size()) * (n + 1);
@@ -158,26 +202,31 @@ std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& 
   std::vector<StepOutput> outputs;
   for (size_t i = 0; i < running.size(); ++i) {
     Request* r = running[i];
-    const int64_t a = accepted[i];
+    const int64_t a = n > 0 ? accepted[i] : 0;
     std::vector<int32_t> emitted(drafts + i * n, drafts + i * n + a);
     emitted.push_back(next[i]);
     RequestMetrics& m = r->metrics;
-    m.num_spec_steps += 1;
-    m.num_drafted += n;
-    m.num_accepted += a;
-    stats_.num_spec_steps += 1;
-    stats_.num_drafted += n;
-    stats_.num_accepted += a;
-    for (int64_t j = 0; j < a; ++j) {
-      m.accepted_per_position[j] += 1;
-      stats_.accepted_per_position[j] += 1;
+    if (n > 0) {  // draft-verify steps (an AR step of adaptive speculation drafts nothing)
+      m.num_spec_steps += 1;
+      m.num_drafted += n;
+      m.num_accepted += a;
+      stats_.num_spec_steps += 1;
+      stats_.num_drafted += n;
+      stats_.num_accepted += a;
+      for (int64_t j = 0; j < a; ++j) {
+        m.accepted_per_position[j] += 1;
+        stats_.accepted_per_position[j] += 1;
+      }
     }
+    if (policy_) policy_->observe(r->id, n, a);
     r->num_computed += a + 1;  // the anchor and the accepted drafts
     r->blocks.truncate(r->num_computed);  // drop the K/V of rejected drafts (O(1))
     StepOutput out;
     const int64_t appended = emit(r, emitted, now, &out);
-    m.num_spec_emitted += appended;
-    stats_.num_spec_emitted += appended;
+    if (n > 0) {
+      m.num_spec_emitted += appended;
+      stats_.num_spec_emitted += appended;
+    }
     finish_if_done(r, out);
     outputs.push_back(std::move(out));
   }

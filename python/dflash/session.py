@@ -38,6 +38,9 @@ _RUNTIME_KWARGS = {
     "async_decode": "async_decode",
     "enable_chunked_prefill": "enable_chunked_prefill",
     "enable_prefix_caching": "enable_prefix_caching",
+    "speculation": "speculation",
+    "draft_lengths": "draft_lengths",
+    "spec_cost_table": "spec_cost_table",
 }
 
 
@@ -143,7 +146,20 @@ class Session:
         request whose prompt starts with cached blocks shares them instead of computing them
         again, the drafter's context included; blocks no request uses are evicted least recently
         used first, only when the cache needs room; outputs are the same; requests recording
-        prompt logits or taps compute every row). Unknown keywords raise TypeError.
+        prompt logits or taps compute every row), speculation (with a draft model: "fixed", the
+        default, drafts num_speculative_tokens in every decode step; "adaptive" picks per step one draft
+        length for the batch from draft_lengths, 0 being a plain AR step, to maximise the expected
+        tokens per second from step costs measured at start-up and each request's running
+        acceptance by draft position, so speculation stops when it does not pay under load; output
+        stays lossless, but at temperature > 0 a seeded request's tokens then depend on the draft
+        lengths chosen, i.e. on the load, where "fixed" gives the same tokens alone or batched;
+        stats()["spec_cost_table"] and ["spec_length_steps"] show the costs and the choices),
+        draft_lengths (speculation="adaptive": the draft lengths with decode programs, captured
+        per length and batch size on CUDA; default 0, 1, 3, 7, ... and num_speculative_tokens, which
+        are always included), spec_cost_table (speculation="adaptive": the step costs to use instead
+        of measuring them at start-up, as stats()["spec_cost_table"] gives them: {"batch_sizes",
+        "lengths", "seconds"}; its lengths are the draft lengths, so draft_lengths is not passed with
+        it). Unknown keywords raise TypeError.
     """
 
     def __init__(
@@ -216,6 +232,30 @@ class Session:
             if not isinstance(prefix, bool):
                 raise ValueError(f"enable_prefix_caching must be True or False, got {prefix!r}")
             config.enable_prefix_caching = prefix
+        speculation = kwargs.pop("speculation", None)
+        if speculation is not None:
+            if speculation not in ("fixed", "adaptive"):
+                raise ValueError(f"speculation must be 'fixed' or 'adaptive', got {speculation!r}")
+            config.speculation = speculation
+        lengths = kwargs.pop("draft_lengths", None)
+        if lengths is not None:
+            if isinstance(lengths, (str, bytes)) or not all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths):
+                raise ValueError(f"draft_lengths must be a list of integers >= 0, got {lengths!r}")
+            config.draft_lengths = [int(n) for n in lengths]
+        costs = kwargs.pop("spec_cost_table", None)
+        if costs is not None:
+            try:
+                rows = [[float(b), *map(float, row)]
+                        for b, row in zip(costs["batch_sizes"], costs["seconds"], strict=True)]
+                table_lengths = [int(n) for n in costs["lengths"]]
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError("spec_cost_table must be a dict of batch_sizes [S], lengths [N] and seconds [S][N] "
+                                 f"(as stats()['spec_cost_table']): {e}") from None
+            if lengths is not None:
+                raise ValueError("spec_cost_table names its draft lengths; pass it or draft_lengths, not both")
+            config.draft_lengths = table_lengths
+            config.spec_cost_table = rows
         graphs = kwargs.pop("cuda_graphs", None)
         if graphs is not None:
             if not isinstance(graphs, bool):
@@ -512,11 +552,20 @@ class Session:
         (blocks holding a cached prefix, in use or not), num_evictable_blocks (those no request
         holds), num_evicted_blocks (evictions so far), prefix_cache_query_tokens /
         prefix_cache_hit_tokens (prefill tokens of admitted requests looked up in the cache /
-        found there instead of computed)."""
+        found there instead of computed).
+        speculation: "fixed" / "adaptive" (None without a drafter); draft_lengths: the draft lengths
+        with decode programs; spec_length_steps: {draft length: speculative decode steps run with
+        it} (0: AR steps of adaptive speculation, not counted in num_spec_steps);
+        spec_cost_table (adaptive): {"batch_sizes", "lengths", "seconds" [batch size][length]},
+        the step costs the policy uses, measured at start-up in spec_cost_measure_s."""
         with self._loop.core_lock:  # the engine thread steps the session while holding it
             s = self._core.stats()
             running, waiting = self._loop.request_counts()
         e = s.engine
+        costs = None
+        if s.spec_cost_batch_sizes:
+            costs = {"batch_sizes": list(s.spec_cost_batch_sizes), "lengths": list(s.spec_cost_lengths),
+                     "seconds": [list(row) for row in s.spec_cost_seconds]}
         return {
             "device": s.device,
             "weight_bytes": s.weight_bytes,
@@ -562,4 +611,9 @@ class Session:
             "num_evicted_blocks": s.num_evicted_blocks,
             "prefix_cache_query_tokens": s.prefix_cache_query_tokens,
             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+            "speculation": s.speculation or None,
+            "draft_lengths": list(s.draft_lengths),
+            "spec_length_steps": {n: e.spec_length_steps[n] for n in s.draft_lengths},
+            "spec_cost_table": costs,
+            "spec_cost_measure_s": e.time_measure_costs_s,
         }

@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "for the default model; 'none': none (default: as `dflash generate`)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="draft tokens per step (default: the drafter's block_size - 1)")
+    p.add_argument("--speculation", choices=["fixed", "adaptive"], default=None,
+                   help="with a drafter: 'fixed' (default) drafts the same number of tokens every step; 'adaptive' "
+                        "picks the draft length per step (0: a plain step) from measured step costs and acceptance")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--api-key", default=None,
@@ -45,7 +48,7 @@ def session_from_args(args: argparse.Namespace) -> Any:
     import dflash
 
     kwargs: Any = {}
-    for name in ("max_num_seqs", "gpu_memory_utilization", "num_speculative_tokens"):
+    for name in ("max_num_seqs", "gpu_memory_utilization", "num_speculative_tokens", "speculation"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     if args.threads:
