@@ -139,6 +139,15 @@ class Server:
                 self.proc.wait()
 
 
+def _acceptance(spec: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Acceptance counters summed over requests (usage.speculative), and tau = emitted tokens per
+    draft-verify step (accepted drafts + the step's own token)."""
+    out = {k: sum(int(x.get(k) or 0) for x in spec) for k in ("num_drafted", "num_accepted", "num_spec_steps")}
+    steps = out["num_spec_steps"]
+    out["tau"] = (out["num_accepted"] + steps) / steps if steps else None
+    return out
+
+
 # ------------------------------------------------------------------------------ clients
 async def _one_request(client: Any, model: str, prompt: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
     t0 = time.perf_counter()
@@ -202,7 +211,7 @@ async def run_level(base_url: str, model: str, prompts: List[Dict[str, Any]], co
         "tokens_from_usage": all(r["tokens_from_usage"] for r in results),
     }
     if spec:
-        level["speculative"] = {k: sum(s.get(k) or 0 for s in spec) for k in spec[0] if isinstance(spec[0][k], (int, float))}
+        level["speculative"] = _acceptance(spec)
     return level
 
 
