@@ -159,10 +159,22 @@ def small_dflash2(tmp_path, target, name: str = "d2", **kw):
     4, taps [0, 1], group 8, rank 8, K 8 unless `kw` says otherwise)."""
     from dflash.drafter_format import write_dflash2_drafter
 
-    for name, value in (("num_layers", 1), ("target_layer_ids", [0, 1]), ("block_size", 4), ("conv_group_size", 8),
-                        ("selector_rank", 8), ("selector_top_k", 8)):
-        kw.setdefault(name, value)
+    for key, value in (("num_layers", 1), ("target_layer_ids", [0, 1]), ("block_size", 4), ("conv_group_size", 8),
+                       ("selector_rank", 8), ("selector_top_k", 8)):
+        kw.setdefault(key, value)
     return write_dflash2_drafter(tmp_path / name, target_config=target_config(target), **kw)
+
+
+def small_drafter_pair(root, target, *, dflash_layers: int, dflash_block_size: int, dflash_seed: int,
+                       dflash2_block_size: int, dflash2_top_k: int) -> dict:
+    """Random tiny drafters of both kinds for `target` under root: {"dflash": DIR (taps [0, 1]),
+    "dflash2": DIR (small_dflash2)}."""
+    from dflash.drafter_format import write_dflash_drafter
+
+    v1 = write_dflash_drafter(root / "dflash", target_config=target_config(target), num_layers=dflash_layers,
+                              target_layer_ids=[0, 1], block_size=dflash_block_size, seed=dflash_seed)
+    v2 = small_dflash2(root, target, block_size=dflash2_block_size, selector_top_k=dflash2_top_k)
+    return {"dflash": v1, "dflash2": v2}
 
 
 def greedy_ids(session, prompts, max_tokens: int = 20) -> list[list[int]]:

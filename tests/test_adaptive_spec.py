@@ -21,15 +21,13 @@
 # - options, stats (the chosen lengths' histogram, the cost table) and no leaked KV blocks.
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 
 import dflash
 from dflash import _core
-from dflash.drafter_format import write_dflash_drafter
-from tests.runtime_helpers import small_dflash2
+from tests.runtime_helpers import small_drafter_pair
 from tests.test_dflash_sampling import _chi2_ok, _target_probs
 
 testing = _core.testing
@@ -186,12 +184,9 @@ def target(tiny_model_dirs):
 
 @pytest.fixture(scope="module")
 def drafters(target, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adaptive_drafters")
-    cfg = json.loads((target / "config.json").read_text())
-    v1 = write_dflash_drafter(root / "dflash", target_config=cfg, num_layers=1, target_layer_ids=[0, 1],
-                              block_size=8, seed=4)
-    v2 = small_dflash2(root, target, block_size=5, selector_top_k=16)
-    return {"dflash": v1, "dflash2": v2}
+    pair = small_drafter_pair(tmp_path_factory.mktemp("adaptive_drafters"), target, dflash_layers=1, dflash_block_size=8,
+                              dflash_seed=4, dflash2_block_size=5, dflash2_top_k=16)
+    return pair
 
 
 DRAFTS = [

@@ -11,7 +11,6 @@
 # prompt longer than the budget in one step; every KV block free afterwards.
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -19,8 +18,7 @@ import pytest
 
 import dflash
 from dflash import _core
-from dflash.drafter_format import write_dflash_drafter
-from tests.runtime_helpers import assert_no_leaks, core_session, forced_run, small_dflash2
+from tests.runtime_helpers import assert_no_leaks, core_session, forced_run, small_drafter_pair
 
 TARGET = "qwen3"
 
@@ -42,12 +40,9 @@ def target(tiny_model_dirs):
 
 @pytest.fixture(scope="module")
 def drafters(target, tmp_path_factory):
-    root = tmp_path_factory.mktemp("chunked_drafters")
-    cfg = json.loads((target / "config.json").read_text())
-    v1 = write_dflash_drafter(root / "dflash", target_config=cfg, num_layers=2, target_layer_ids=[0, 1],
-                              block_size=6, seed=9)
-    v2 = small_dflash2(root, target, block_size=4, selector_top_k=8)
-    return {None: "none", "dflash": v1, "dflash2": v2}
+    pair = small_drafter_pair(tmp_path_factory.mktemp("chunked_drafters"), target, dflash_layers=2, dflash_block_size=6,
+                              dflash_seed=9, dflash2_block_size=4, dflash2_top_k=8)
+    return {None: "none", **pair}
 
 
 def _session(target, drafters, draft, **kw):

@@ -13,15 +13,13 @@
 # leaves other requests alone; every KV block is free after each workload.
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 
 import dflash
 from dflash import _core
-from dflash.drafter_format import write_dflash_drafter
-from tests.runtime_helpers import assert_no_leaks, core_session, forced_run, small_dflash2
+from tests.runtime_helpers import assert_no_leaks, core_session, forced_run, small_drafter_pair
 
 TARGET = "llama_gqa"
 # 80 slots in blocks of 4: one request of the workload below fits alone (at most 39 prompt + 29
@@ -47,12 +45,9 @@ def target(tiny_model_dirs):
 
 @pytest.fixture(scope="module")
 def drafters(target, tmp_path_factory):
-    root = tmp_path_factory.mktemp("preemption_drafters")
-    cfg = json.loads((target / "config.json").read_text())
-    v1 = write_dflash_drafter(root / "dflash", target_config=cfg, num_layers=1, target_layer_ids=[0, 1],
-                              block_size=4, seed=5)
-    v2 = small_dflash2(root, target, block_size=5, selector_top_k=16)
-    return {"dflash": v1, "dflash2": v2}
+    pair = small_drafter_pair(tmp_path_factory.mktemp("preemption_drafters"), target, dflash_layers=1, dflash_block_size=4,
+                              dflash_seed=5, dflash2_block_size=5, dflash2_top_k=16)
+    return pair
 
 
 DRAFT_CASES = [

@@ -18,7 +18,6 @@
 # tau without (a drafter that lost its context on hits would drop towards 1).
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -26,8 +25,7 @@ import pytest
 import dflash
 from dflash import _core
 from dflash._core import testing
-from dflash.drafter_format import write_dflash_drafter
-from tests.runtime_helpers import forced_run, small_dflash2
+from tests.runtime_helpers import forced_run, small_drafter_pair
 
 TARGET = "llama_gqa"
 BS = 4  # block size of most sessions below: many blocks per prompt
@@ -40,12 +38,9 @@ def target(tiny_model_dirs):
 
 @pytest.fixture(scope="module")
 def drafters(target, tmp_path_factory):
-    root = tmp_path_factory.mktemp("prefix_drafters")
-    cfg = json.loads((target / "config.json").read_text())
-    v1 = write_dflash_drafter(root / "dflash", target_config=cfg, num_layers=1, target_layer_ids=[0, 1],
-                              block_size=4, seed=5)
-    v2 = small_dflash2(root, target, block_size=5, selector_top_k=16)
-    return {None: "none", "dflash": v1, "dflash2": v2}
+    pair = small_drafter_pair(tmp_path_factory.mktemp("prefix_drafters"), target, dflash_layers=1, dflash_block_size=4,
+                              dflash_seed=5, dflash2_block_size=5, dflash2_top_k=16)
+    return {None: "none", **pair}
 
 
 DRAFT_CASES = [
