@@ -204,6 +204,17 @@ def test_hit_tokens_and_per_request_cached_tokens(target, drafters):
     assert_all_released(sess)
 
 
+def test_python_outputs_carry_cached_tokens(target, drafters):
+    """Session.generate's RequestOutput.metrics.num_cached_tokens: the matched whole blocks."""
+    sess = _session(target, drafters, None)
+    head = list(range(10, 10 + 3 * BS + 1))  # 3 full blocks + 1
+    params = dflash.SamplingParams(max_tokens=4, ignore_eos=True)
+    first = sess.generate([head + [3]], params)[0]
+    second = sess.generate([head + [5, 6]], params)[0]
+    assert first.metrics.num_cached_tokens == 0 and first.metrics.num_preemptions == 0
+    assert second.metrics.num_cached_tokens == 3 * BS
+
+
 def _request(prompt, max_tokens=8, temperature=0.0, seed=0):
     req = _core.RequestInput()
     req.prompt = list(prompt)

@@ -74,6 +74,15 @@ def test_models_health_and_metrics_need_no_key(server, client):
     assert httpx.get(f"{server}/metrics").status_code == 200
 
 
+def test_usage_reports_prefix_cache_hits(client):
+    long_chat = [{"role": "user", "content": "Why is the sea blue? Explain it to a child. " * 6}]
+    first = client.chat.completions.create(model=MODEL, messages=long_chat, max_tokens=3, temperature=0)
+    again = client.chat.completions.create(model=MODEL, messages=long_chat, max_tokens=3, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens > 32 and 0 < cached < again.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens <= cached
+
+
 def test_chat_streaming_equals_non_streaming(client, session):
     full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
     want = session.generate([CHAT], SamplingParams(max_tokens=40))[0]

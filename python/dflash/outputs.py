@@ -13,7 +13,9 @@ class RequestMetrics:
 
     With a draft model: acceptance_length is tau, the mean number of tokens emitted per
     draft-verify step (bonus token included); accepted_per_position[j] counts the steps whose
-    draft j was accepted; num_drafted / num_accepted count draft tokens.
+    draft j was accepted; num_drafted / num_accepted count draft tokens. num_cached_tokens: prompt
+    tokens found in the prefix cache instead of computed; num_preemptions: times the request's KV
+    blocks were taken back under memory pressure (it then recomputed them, with the same output).
     """
 
     prompt_tokens: int = 0
@@ -27,6 +29,8 @@ class RequestMetrics:
     num_drafted: int = 0
     num_accepted: int = 0
     num_spec_steps: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -84,4 +88,6 @@ def metrics_from_core(m: Any) -> RequestMetrics:
         num_drafted=m.num_drafted,
         num_accepted=m.num_accepted,
         num_spec_steps=m.num_spec_steps,
+        num_cached_tokens=m.num_cached_tokens,
+        num_preemptions=m.num_preemptions,
     )

@@ -222,9 +222,12 @@ def new_id(kind: str) -> str:
 
 def usage(prompt_tokens: int, completion_tokens: int, metrics: Optional[RequestMetrics],
           speculative: bool) -> Dict[str, Any]:
-    """OpenAI usage, plus `speculative` (the request's acceptance metrics) when a drafter runs."""
+    """OpenAI usage (with prompt_tokens_details.cached_tokens: prompt tokens from the prefix cache),
+    plus `speculative` (the request's acceptance metrics) when a drafter runs."""
     out: Dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
+    if metrics is not None:  # OpenAI's field for prompt tokens served from the prefix cache
+        out["prompt_tokens_details"] = {"cached_tokens": min(metrics.num_cached_tokens, prompt_tokens)}
     if speculative and metrics is not None:
         out["speculative"] = {
             "acceptance_length": metrics.acceptance_length,
