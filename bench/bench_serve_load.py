@@ -22,6 +22,12 @@ Usage:
       [--server 'hf=cmd:transformers serve --continuous-batching --port {port}'] \\
       --concurrency 1,4,16,64 --requests 64 --max-tokens 256 --engine-baseline \\
       --out bench/results/serve_load_<machine>.json [--plot ...png]
+--level-time-limit S bounds a level for a slow peer: after S seconds a client sends no new
+request (each sends at least one), and the level's figures are over the requests it did send.
+Each server's startup_s (process start to /v1/models answering: loading, CUDA graph capture,
+cost measurement) and GPU memory (nvidia-smi) are recorded; with --engine-baseline, so are the
+Session's start-up stats (graph_capture_s, spec_cost_measure_s, the draft-length mix).
+The report is rewritten after every level, so a run cut short keeps what it measured.
 A `dflash:ARGS` server is `python -m dflash serve --port P ARGS`; a `cmd:COMMAND` server is any
 command with `{port}` in it, and its model name is read from /v1/models (--peer-model overrides).
 Ratios over the server named by --baseline (default `ar`) are in `ratios`; the headline keys
@@ -109,12 +115,42 @@ class Server:
             raise SystemExit(f"server {name}: spec must start with 'dflash:' or 'cmd:', got {spec!r}")
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.model = args.peer_model if self.kind == "cmd" and args.peer_model else None
+        self.startup_s: Optional[float] = None
+
+    def gpu_memory_mib(self) -> Optional[int]:
+        """GPU memory held by the server's processes (nvidia-smi), None without a GPU."""
+        if self.proc is None:
+            return None
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if out.returncode != 0:
+            return None
+        try:
+            group = os.getpgid(self.proc.pid)
+        except OSError:
+            return None
+        total, found = 0, False
+        for line in out.stdout.splitlines():
+            parts = [x.strip() for x in line.split(",")]
+            if len(parts) != 2 or not parts[0].isdigit() or not parts[1].isdigit():
+                continue
+            try:
+                if os.getpgid(int(parts[0])) == group:
+                    total, found = total + int(parts[1]), True
+            except OSError:
+                continue
+        return total if found else None
 
     def start(self, timeout_s: float) -> None:
+        """Start the process and wait for /v1/models; startup_s is the time that took (model load,
+        CUDA graph capture, cost measurement)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
                 raise SystemExit(f"server {self.name} exited with {self.proc.returncode}; see {self.log_path}")
@@ -123,6 +159,7 @@ class Server:
                     models = json.load(r)["data"]
                 if self.model is None:
                     self.model = models[0]["id"]
+                self.startup_s = time.monotonic() - t0
                 return
             except (OSError, ValueError, KeyError, IndexError):
                 time.sleep(0.5)
@@ -188,10 +225,15 @@ async def run_level(base_url: str, model: str, prompts: List[Dict[str, Any]], co
     client = AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", timeout=args.request_timeout, max_retries=0)
     results: List[Dict[str, Any]] = []
     next_index = 0
+    limit = args.level_time_limit
 
     async def worker() -> None:
         nonlocal next_index
+        sent = 0
         while next_index < len(queue):
+            if sent and limit is not None and time.perf_counter() - t0 > limit:
+                return  # the level's time is up: no new requests (but one per worker), in-flight ones finish
+            sent += 1
             p = queue[next_index]
             next_index += 1
             results.append(await _one_request(client, model, p, args))
@@ -203,7 +245,8 @@ async def run_level(base_url: str, model: str, prompts: List[Dict[str, Any]], co
     tokens = sum(r["completion_tokens"] for r in results)
     spec = [r["speculative"] for r in results if r["speculative"]]
     level: Dict[str, Any] = {
-        "concurrency": concurrency, "requests": len(results), "wall_s": wall, "completion_tokens": tokens,
+        "concurrency": concurrency, "requests": len(results), "requests_planned": n,
+        "wall_s": wall, "completion_tokens": tokens,
         "output_tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "ttft_s": _percentiles([r["ttft_s"] for r in results if r["ttft_s"] is not None]),
         "itl_s": _percentiles([g for r in results for g in r["itl_s"]]),
@@ -233,9 +276,20 @@ def engine_baseline(server: Server, prompts: List[Dict[str, Any]], args: argpars
             out = session.generate([prompts[i % len(prompts)]["messages"]], dflash.SamplingParams(**seeded))[0]
             tokens += len(out.token_ids)
         wall = time.perf_counter() - t0
+        st = session.stats()
     finally:
         session.close()
-    return {"requests": n, "completion_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
+    stats = {k: st.get(k) for k in _ENGINE_STATS}
+    stats["num_graphs"] = len(st.get("graph_batch_sizes") or []) * max(1, len(st.get("draft_lengths") or []))
+    return {"requests": n, "completion_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+            "stats": stats}
+
+
+# the Session.stats() keys kept with the engine baseline: start-up costs and the speculation mix
+_ENGINE_STATS = ("device", "weight_bytes", "kv_cache_bytes", "draft_kv_cache_bytes", "workspace_bytes", "cuda_graphs",
+                 "graph_batch_sizes", "graph_capture_s", "speculation", "draft_lengths", "spec_length_steps",
+                 "spec_cost_table", "spec_cost_measure_s", "acceptance_length", "num_spec_steps", "graph_steps",
+                 "eager_steps")
 
 
 def _machine() -> Dict[str, Any]:
@@ -275,6 +329,11 @@ def write_plot(report: Dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _write(report: Dict[str, Any], path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", action="append", required=True, help="NAME=dflash:ARGS or NAME=cmd:COMMAND")
@@ -290,6 +349,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens tokens")
     ap.add_argument("--peer-model", help="model name for cmd: servers (default: the first of /v1/models)")
     ap.add_argument("--engine-baseline", action="store_true", help="the c=1 requests through each dflash Session directly")
+    ap.add_argument("--level-time-limit", type=float, default=None,
+                    help="seconds after which a level starts no new requests (its in-flight ones finish); for slow peers")
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--request-timeout", type=float, default=600)
     ap.add_argument("--log-dir", default="/tmp/bench_serve_logs")
@@ -319,10 +380,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"[{s.name}] {s.argv} on {s.base_url} (model {s.model})", flush=True)
         try:
             asyncio.run(run_level(s.base_url, s.model, prompts, 1, argparse.Namespace(**{**vars(args), "requests": 2})))
-            res: Dict[str, Any] = {"spec": s.spec, "model": s.model, "levels": []}
+            res: Dict[str, Any] = {"spec": s.spec, "model": s.model, "startup_s": s.startup_s,
+                                   "gpu_memory_mib": s.gpu_memory_mib(), "levels": []}
+            report["servers"][s.name] = res
             for c in levels:
                 lv = asyncio.run(run_level(s.base_url, s.model, prompts, c, args))
                 res["levels"].append(lv)
+                _write(report, args.out)  # a run cut short keeps the levels done
                 print(f"[{s.name}] c={c}: {lv['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
                       f"{1e3 * (lv['ttft_s']['p50'] or 0):.1f} ms, ITL p50 {1e3 * (lv['itl_s']['p50'] or 0):.2f} ms",
                       flush=True)
@@ -335,7 +399,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             res["server_overhead_c1"] = 1.0 - server_c1 / eng["output_tokens_per_s"]
             print(f"[{s.name}] engine alone: {eng['output_tokens_per_s']:.1f} tok/s; server overhead at c=1 "
                   f"{100 * res['server_overhead_c1']:.1f} %", flush=True)
-        report["servers"][s.name] = res
+        _write(report, args.out)
     base = report["servers"].get(args.baseline)
     if base:
         ratios: Dict[str, Dict[str, float]] = {}
@@ -345,8 +409,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             ratios[name] = {f"c{a['concurrency']}": a["output_tokens_per_s"] / b["output_tokens_per_s"]
                             for a, b in zip(res["levels"], base["levels"]) if b["output_tokens_per_s"] > 0}
         report["ratios_over_" + args.baseline] = ratios
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    _write(report, args.out)
     if args.plot:
         write_plot(report, args.plot)
     print(json.dumps(report.get("ratios_over_" + args.baseline, {}), indent=1))

@@ -47,4 +47,24 @@ def test_load_run_on_a_tiny_model(tmp_path, long_context_model):
             assert lv["output_tokens_per_s"] > 0 and lv["ttft_s"]["p50"] > 0 and lv["itl_s"]["p50"] > 0
         assert res["engine_c1"]["completion_tokens"] == 18
         assert "server_overhead_c1" in res
+        assert res["startup_s"] > 0 and res["gpu_memory_mib"] is None  # no GPU here
+        stats = res["engine_c1"]["stats"]
+        assert stats["device"] == "cpu" and stats["speculation"] is None and stats["weight_bytes"] > 0
     assert set(report["ratios_over_ar"]["small"]) == {"c1", "c3"}
+
+
+def test_level_time_limit_stops_new_requests(tmp_path, long_context_model):
+    """--level-time-limit 0: each of the 2 clients sends its first request and no other, so the
+    level has exactly 2 of its 8 planned requests, both complete."""
+    mod = _bench_module("bench_serve_load")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Why is the sea blue?\nName three colours.\n")
+    out = tmp_path / "load.json"
+    rc = mod.main(["--datasets", "prompts", "--prompts", str(prompts),
+                   "--server", f"ar=dflash:--model {long_context_model} --device cpu --threads 1 --max-model-len 512",
+                   "--concurrency", "2", "--requests", "8", "--max-tokens", "4", "--ignore-eos",
+                   "--level-time-limit", "0", "--log-dir", str(tmp_path / "logs"), "--out", str(out)])
+    assert rc == 0
+    (lv,) = json.loads(out.read_text())["servers"]["ar"]["levels"]
+    assert lv["requests_planned"] == 8 and lv["requests"] == 2
+    assert lv["completion_tokens"] == 4 * lv["requests"]
