@@ -22,6 +22,8 @@ Usage:
       [--server 'hf=cmd:transformers serve --continuous-batching --port {port}'] \\
       --concurrency 1,4,16,64 --requests 64 --max-tokens 256 --engine-baseline \\
       --out bench/results/serve_load_<machine>.json [--plot ...png]
+--ignore-eos goes to dflash servers only (it is no OpenAI field; a peer that refuses it stops
+at its EOS, and its tokens/s counts the tokens it did generate).
 --level-time-limit S bounds a level for a slow peer: after S seconds a client sends no new
 request (each sends at least one), and the level's figures are over the requests it did send.
 Each server's startup_s (process start to /v1/models answering: loading, CUDA graph capture,
@@ -379,12 +381,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         s.start(args.start_timeout)
         print(f"[{s.name}] {s.argv} on {s.base_url} (model {s.model})", flush=True)
         try:
-            asyncio.run(run_level(s.base_url, s.model, prompts, 1, argparse.Namespace(**{**vars(args), "requests": 2})))
+            # ignore_eos is not OpenAI's (transformers serve answers it with 422): dflash servers only
+            largs = args if s.kind == "dflash" else argparse.Namespace(**{**vars(args), "ignore_eos": False})
+            asyncio.run(run_level(s.base_url, s.model, prompts, 1, argparse.Namespace(**{**vars(largs), "requests": 2})))
             res: Dict[str, Any] = {"spec": s.spec, "model": s.model, "startup_s": s.startup_s,
-                                   "gpu_memory_mib": s.gpu_memory_mib(), "levels": []}
+                                   "gpu_memory_mib": s.gpu_memory_mib(), "ignore_eos": largs.ignore_eos, "levels": []}
             report["servers"][s.name] = res
             for c in levels:
-                lv = asyncio.run(run_level(s.base_url, s.model, prompts, c, args))
+                lv = asyncio.run(run_level(s.base_url, s.model, prompts, c, largs))
                 res["levels"].append(lv)
                 _write(report, args.out)  # a run cut short keeps the levels done
                 print(f"[{s.name}] c={c}: {lv['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
