@@ -5,8 +5,9 @@ process per configuration, started and stopped here) and optionally a peer serve
 `transformers serve --continuous-batching`), all in one run on the same machine.
 
 For every server and concurrency c, `--requests` chat requests (at least c; prompts taken in turn
-from the interleaved data sets) are sent by c concurrent streaming clients (the `openai` async
-client, stream=True with include_usage) and measured:
+from the interleaved data sets) are sent by c concurrent streaming clients (OpenAI's chat API,
+stream=True with include_usage; by default over raw httpx with the events parsed here, as vLLM's
+benchmark does, `--client openai` for the `openai` async client) and measured:
 - output tokens/s: completion tokens of all requests / wall time of the level;
 - time to first token (TTFT) and inter-token latency (ITL: the gaps between content chunks, as
   vLLM counts them) percentiles p50 / p90 / p99, and request latency;
@@ -50,7 +51,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
 
 from dflash.bench_acceptance import default_gsm8k_path, load_gsm8k, load_mtbench, load_prompt_file, package_data_path
 
@@ -156,17 +157,31 @@ class Server:
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
                 raise SystemExit(f"server {self.name} exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/v1/models", timeout=2) as r:
-                    models = json.load(r)["data"]
-                if self.model is None:
-                    self.model = models[0]["id"]
+            if self._ready():
                 self.startup_s = time.monotonic() - t0
                 return
-            except (OSError, ValueError, KeyError, IndexError):
-                time.sleep(0.5)
+            time.sleep(0.5)
         self.stop()
         raise SystemExit(f"server {self.name} did not answer within {timeout_s:.0f} s; see {self.log_path}")
+
+    def _ready(self) -> bool:
+        """/v1/models answers (and names the model); with the model name given (--peer-model), a
+        200 from /health is enough (transformers serve's /v1/models fails without a hub cache)."""
+        try:
+            with urllib.request.urlopen(self.base_url + "/v1/models", timeout=2) as r:
+                models = json.load(r)["data"]
+            if self.model is None:
+                self.model = models[0]["id"]
+            return True
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+        if self.model is None:
+            return False
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -188,29 +203,58 @@ def _acceptance(spec: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ clients
-async def _one_request(client: Any, model: str, prompt: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
+def _request_body(model: str, prompt: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
+    body: Dict[str, Any] = {"model": model, "messages": prompt["messages"], "max_tokens": args.max_tokens,
+                            "temperature": args.temperature, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if args.seed is not None:
+        body["seed"] = args.seed
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+async def _chunks_httpx(client: Any, base_url: str, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+    """The server-sent events of one streamed request as dicts (httpx, no OpenAI client)."""
+    async with client.stream("POST", base_url + "/v1/chat/completions", json=body,
+                             headers={"Authorization": "Bearer bench"}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+async def _chunks_openai(client: Any, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+    """The same through the `openai` client (its own per-chunk parsing costs included)."""
+    extra = {"ignore_eos": True} if body.pop("ignore_eos", False) else None
+    stream = await client.chat.completions.create(**body, extra_body=extra)
+    async for chunk in stream:
+        yield chunk.model_dump()
+
+
+async def _one_request(client: Any, base_url: str, model: str, prompt: Dict[str, Any],
+                       args: argparse.Namespace) -> Dict[str, Any]:
+    body = _request_body(model, prompt, args)
     t0 = time.perf_counter()
     first: Optional[float] = None
     last: Optional[float] = None
     gaps: List[float] = []
     chunks = 0
     usage: Optional[Dict[str, Any]] = None
-    extra: Dict[str, Any] = {} if args.seed is None else {"seed": args.seed}
-    stream = await client.chat.completions.create(
-        model=model, messages=prompt["messages"], max_tokens=args.max_tokens, temperature=args.temperature,
-        stream=True, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True} if args.ignore_eos else None, **extra)
-    async for chunk in stream:
+    events = _chunks_openai(client, body) if args.client == "openai" else _chunks_httpx(client, base_url, body)
+    async for chunk in events:
         now = time.perf_counter()
-        if chunk.choices and chunk.choices[0].delta and chunk.choices[0].delta.content:
+        choices = chunk.get("choices") or []
+        if choices and (choices[0].get("delta") or {}).get("content"):
             if first is None:
                 first = now
             else:
                 gaps.append(now - last)  # type: ignore[operator]
             last = now
             chunks += 1
-        if getattr(chunk, "usage", None) is not None:
-            usage = chunk.usage.model_dump()
+        if chunk.get("usage") is not None:
+            usage = chunk["usage"]
     end = time.perf_counter()
     tokens = usage["completion_tokens"] if usage else chunks
     return {"ttft_s": (first - t0) if first is not None else None, "itl_s": gaps, "latency_s": end - t0,
@@ -220,11 +264,18 @@ async def _one_request(client: Any, model: str, prompt: Dict[str, Any], args: ar
 
 async def run_level(base_url: str, model: str, prompts: List[Dict[str, Any]], concurrency: int,
                     args: argparse.Namespace) -> Dict[str, Any]:
-    from openai import AsyncOpenAI
-
     n = max(args.requests, concurrency)
     queue = [prompts[i % len(prompts)] for i in range(n)]
-    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", timeout=args.request_timeout, max_retries=0)
+    if args.client == "openai":
+        from openai import AsyncOpenAI
+
+        client: Any = AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", timeout=args.request_timeout,
+                                  max_retries=0)
+    else:
+        import httpx
+
+        client = httpx.AsyncClient(timeout=args.request_timeout,
+                                   limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency))
     results: List[Dict[str, Any]] = []
     next_index = 0
     limit = args.level_time_limit
@@ -238,12 +289,12 @@ async def run_level(base_url: str, model: str, prompts: List[Dict[str, Any]], co
             sent += 1
             p = queue[next_index]
             next_index += 1
-            results.append(await _one_request(client, model, p, args))
+            results.append(await _one_request(client, base_url, model, p, args))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
-    await client.close()
+    await (client.close() if args.client == "openai" else client.aclose())
     tokens = sum(r["completion_tokens"] for r in results)
     spec = [r["speculative"] for r in results if r["speculative"]]
     level: Dict[str, Any] = {
@@ -349,6 +400,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens tokens")
+    ap.add_argument("--client", choices=["httpx", "openai"], default="httpx",
+                    help="load client: raw httpx SSE (default; as vLLM's benchmark uses a raw HTTP client) or the "
+                         "openai client, whose own per-request cost (a few ms) then counts as latency")
     ap.add_argument("--peer-model", help="model name for cmd: servers (default: the first of /v1/models)")
     ap.add_argument("--engine-baseline", action="store_true", help="the c=1 requests through each dflash Session directly")
     ap.add_argument("--level-time-limit", type=float, default=None,

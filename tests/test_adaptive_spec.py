@@ -147,8 +147,10 @@ def test_acceptance_estimates():
     assert p.rates(7) == pytest.approx([0.875, 0.875, 0.625, 0.75])
     p.observe(7, 1, 0)  # a one-draft step observes position 0 only
     assert p.rates(7) == pytest.approx([0.4375, 0.875, 0.625, 0.75])
-    p.observe(7, 0, 0)  # AR steps observe nothing
-    assert p.rates(7) == pytest.approx([0.4375, 0.875, 0.625, 0.75])
+    seen = list(p.global_rates)
+    p.observe(7, 0, 0)  # AR steps observe nothing; recovery_rate 0.01 moves estimates below the prior up
+    assert p.rates(7) == pytest.approx([0.4375 + 0.01 * 0.0625, 0.875, 0.625, 0.75])
+    assert p.global_rates == seen
     assert p.rates(8) == p.global_rates  # a new request starts from what the session saw
     p.observe(8, 4, 4)
     assert p.num_tracked == 2
@@ -160,9 +162,38 @@ def test_acceptance_estimates():
     q.observe(1, 4, 4)
     assert q.choose([1], [100], 1) == 4
     with pytest.raises(ValueError):
+        testing.SpecPolicy(4, [0, 4], [[1, 1.0, 2.0]], recovery_rate=-0.1)
+    with pytest.raises(ValueError):
         testing.SpecPolicy(2, [0, 4], [[1, 1.0, 2.0]])  # a length beyond the drafter
     with pytest.raises(ValueError):
         testing.SpecPolicy(4, [0, 4], [[1, 1.0, 2.0]], prior=1.5)
+
+
+def test_ar_steps_bring_speculation_back():
+    """A request whose first drafts keep failing is moved to L = 0, and AR steps (which observe
+    nothing) raise its estimate towards the prior until a speculative step is tried again; a
+    failed probe sends it back to AR steps. With recovery off it stays at L = 0 for good.
+    H200-like costs of one request: L = 7 pays from an expected 0.855 / 0.558 = 1.53 tokens."""
+    rows = [[1, 0.558, 0.689, 0.856, 0.855]]
+    for recovery in (0.0, 0.01):
+        p = testing.SpecPolicy(7, [0, 1, 3, 7], rows, prior=0.6, request_rate=0.125, global_rate=0.02,
+                               recovery_rate=recovery)
+        spec_steps = 0
+        while p.choose([1], [10_000], 1) > 0:  # a passage the drafter cannot follow
+            p.observe(1, 7, 0)
+            spec_steps += 1
+            assert spec_steps < 40
+        low = p.rates(1)[0]
+        ar_steps = 0
+        while p.choose([1], [10_000], 1) == 0 and ar_steps < 1000:
+            p.observe(1, 0, 0)
+            ar_steps += 1
+        if recovery == 0.0:
+            assert ar_steps == 1000 and p.rates(1)[0] == low
+            continue
+        assert 1 <= ar_steps < 1000 and low < p.rates(1)[0] <= 0.6
+        p.observe(1, 7, 0)  # the probe fails too: back to AR steps
+        assert p.choose([1], [10_000], 1) == 0
 
 
 # ---------------------------------------------------------------------------------------------- engine

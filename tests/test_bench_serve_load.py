@@ -44,7 +44,9 @@ def test_load_run_on_a_tiny_model(tmp_path, long_context_model):
         assert [lv["concurrency"] for lv in res["levels"]] == [1, 3]
         for lv in res["levels"]:
             assert lv["requests"] == 3 and lv["completion_tokens"] == 18 and lv["tokens_from_usage"]
-            assert lv["output_tokens_per_s"] > 0 and lv["ttft_s"]["p50"] > 0 and lv["itl_s"]["p50"] > 0
+            assert lv["output_tokens_per_s"] > 0 and lv["ttft_s"]["p50"] > 0
+            # no gaps when every request came as one merged chunk (the tiny model outruns the server)
+            assert lv["itl_s"]["p50"] is None or lv["itl_s"]["p50"] >= 0
         assert res["engine_c1"]["completion_tokens"] == 18
         assert "server_overhead_c1" in res
         assert res["startup_s"] > 0 and res["gpu_memory_mib"] is None  # no GPU here

@@ -114,6 +114,26 @@ def test_astream_matches_generate_concurrently(sess):
     assert_no_leaks(sess)
 
 
+def test_astream_merges_what_queued_behind_a_slow_consumer(sess):
+    """A consumer that blocks its event loop while the engine runs finds the queued steps merged
+    into fewer items, which still concatenate to generate()'s output."""
+    import time
+
+    params = SamplingParams(max_tokens=24, stop_token_ids=[])
+    want = sess.generate(["the sea"], params)[0]
+
+    async def main():
+        stream = sess.astream("the sea", params)
+        first = await stream.__anext__()
+        time.sleep(0.5)  # the engine finishes the request meanwhile: the rest is queued
+        return [first] + [item async for item in stream]
+
+    items = asyncio.run(main())
+    _check_items(items)
+    assert _joined(items) == (want.text, want.token_ids)
+    assert len(items) == 2 and len(items[1].token_ids) == 24 - len(items[0].token_ids)
+
+
 def test_abort_frees_the_blocks(sess):
     params = SamplingParams(max_tokens=400, ignore_eos=True, stop_token_ids=[])
     stream = sess.stream("the sea", params)

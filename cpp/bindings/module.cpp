@@ -265,13 +265,15 @@ NB_MODULE(_core, m) {
   nb::class_<SpecPolicy>(testing, "SpecPolicy")
       .def("__init__", [](SpecPolicy* p, int64_t max_length, const std::vector<int64_t>& lengths,
                           const std::vector<std::vector<double>>& rows, double prior, double request_rate,
-                          double global_rate) {
+                          double global_rate, double recovery_rate) {
         SpecPolicyConfig c;
         c.prior = prior;
         c.request_rate = request_rate;
         c.global_rate = global_rate;
+        c.recovery_rate = recovery_rate;
         new (p) SpecPolicy(max_length, c, SpecCostTable::from_rows(lengths, rows));
-      }, "max_length"_a, "lengths"_a, "rows"_a, "prior"_a = 0.6, "request_rate"_a = 0.125, "global_rate"_a = 0.02)
+      }, "max_length"_a, "lengths"_a, "rows"_a, "prior"_a = 0.6, "request_rate"_a = 0.125, "global_rate"_a = 0.02,
+         "recovery_rate"_a = 0.01)
       .def("choose", &SpecPolicy::choose, "ids"_a, "remaining"_a, "batch"_a)
       .def("observe", &SpecPolicy::observe, "id"_a, "length"_a, "accepted"_a)
       .def("forget", &SpecPolicy::forget, "id"_a)

@@ -120,6 +120,8 @@ SpecPolicy::SpecPolicy(int64_t max_length, SpecPolicyConfig config, SpecCostTabl
   DFLASH_ARG_CHECK(config_.request_rate > 0.0 && config_.request_rate <= 1.0 && config_.global_rate > 0.0 &&
                        config_.global_rate <= 1.0,
                    "acceptance EWMA weights must be in (0, 1]");
+  DFLASH_ARG_CHECK(config_.recovery_rate >= 0.0 && config_.recovery_rate <= 1.0,
+                   "the acceptance recovery rate must be in [0, 1], got ", config_.recovery_rate);
   table_.validate();
   DFLASH_ARG_CHECK(table_.lengths.back() <= max_length_, "a draft length of the cost table (", table_.lengths.back(),
                    ") exceeds the drafter's ", max_length_);
@@ -147,8 +149,13 @@ int64_t SpecPolicy::choose(const std::vector<int64_t>& ids, const std::vector<in
 void SpecPolicy::observe(int64_t id, int64_t length, int64_t accepted) {
   DFLASH_CHECK(length >= 0 && length <= max_length_ && accepted >= 0 && accepted <= length, "observed ", accepted,
                " accepted of ", length, " drafts (at most ", max_length_, ")");
-  if (length == 0) return;
   std::vector<double>& mine = request_rates(id);
+  if (length == 0) {  // an AR step: no observation; estimates below the prior recover towards it
+    for (double& x : mine) {
+      if (x < config_.prior) x += config_.recovery_rate * (config_.prior - x);
+    }
+    return;
+  }
   auto update = [&](int64_t j, double x) {
     mine[j] += config_.request_rate * (x - mine[j]);
     global_[j] += config_.global_rate * (x - global_[j]);

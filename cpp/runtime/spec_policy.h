@@ -58,14 +58,20 @@ struct SpecPolicyConfig {
   double prior = 0.6;          // acceptance rate of every position before anything was observed
   double request_rate = 0.125;  // EWMA weight of a request's new observation of a position
   double global_rate = 0.02;    // EWMA weight in the session-wide estimate new requests start from
+  double recovery_rate = 0.01;  // per AR step, the share of (prior - estimate) a request's estimate gains back
 };
 
 // The running acceptance estimates and the choice. Per request (by id) and per draft position j,
 // an exponentially weighted estimate of P(draft j accepted | drafts 0..j-1 accepted): a step that
 // drafted L and accepted a observes "accepted" at positions j < a and "rejected" at position a
 // (when a < L); later positions are not observed. A request starts from the session-wide
-// estimate (the same EWMA over every request's observations, starting at the prior). Estimates
-// change only in speculative steps (L > 0). Not thread-safe (the engine's thread owns it).
+// estimate (the same EWMA over every request's observations, starting at the prior). A
+// speculative step (L > 0) updates the request's and the session-wide estimates; an AR step
+// (L = 0) observes nothing, so each position of the request's estimate that is below the prior
+// moves towards it by recovery_rate: after a run of AR steps speculation is tried again (a
+// request whose acceptance fell in one passage of its text is not held at L = 0 for the rest of
+// it), and a request whose drafts keep failing goes back to AR steps after the probe. Not
+// thread-safe (the engine's thread owns it).
 class SpecPolicy {
  public:
   SpecPolicy(int64_t max_length, SpecPolicyConfig config, SpecCostTable table);

@@ -109,7 +109,9 @@ class AsyncRequestStream:
     """Async iterator over one request's StreamOutput items (Session.astream), bound to the event
     loop that created it. The request is submitted at creation; `await started()` (or the first
     item) raises the ValueError of a request the engine refused. aclose() (also on leaving an
-    `async with` block) ends the request early without blocking the event loop."""
+    `async with` block) ends the request early without blocking the event loop. Items the engine
+    queued while the consumer was busy come as one merged item (their text and token ids
+    concatenated; the last one's finish_reason and metrics)."""
 
     def __init__(self, owner: Any, loop: EngineLoop, submitted: "Future[List[int]]",
                  prompt_token_ids: List[int], items: "asyncio.Queue[Any]") -> None:
@@ -120,6 +122,7 @@ class AsyncRequestStream:
         self._items = items
         self._done = False
         self._request_id: Optional[int] = None
+        self._pending: Optional[BaseException] = None  # an error read while merging, raised next
 
     @property
     def request_id(self) -> Optional[int]:
@@ -143,13 +146,34 @@ class AsyncRequestStream:
         if self._done:
             raise StopAsyncIteration
         await self.started()
-        item = await self._items.get()
+        if self._pending is not None:
+            item, self._pending = self._pending, None
+        else:
+            item = await self._items.get()
         if isinstance(item, BaseException):
             self._done = True
             raise item
+        item = self._merge_queued(item)
         if item.finished:
             self._done = True
         return item
+
+    def _merge_queued(self, item: StreamOutput) -> StreamOutput:
+        """`item` with the items queued behind it merged in (a consumer that fell behind the engine,
+        e.g. a server at high concurrency, then handles one item per read instead of one per step);
+        an error behind it is kept for the next read."""
+        if item.finished or self._items.empty():
+            return item
+        text, ids = [item.text], list(item.token_ids)
+        while not self._items.empty() and not item.finished:
+            nxt = self._items.get_nowait()
+            if isinstance(nxt, BaseException):
+                self._pending = nxt
+                break
+            text.append(nxt.text)
+            ids += nxt.token_ids
+            item = nxt
+        return StreamOutput(item.request_id, "".join(text), ids, item.finish_reason, item.metrics)
 
     async def abort(self) -> bool:
         """Ends the request now and waits until its KV blocks are free; False if it had already
