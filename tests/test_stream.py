@@ -131,7 +131,10 @@ def test_astream_merges_what_queued_behind_a_slow_consumer(sess):
     items = asyncio.run(main())
     _check_items(items)
     assert _joined(items) == (want.text, want.token_ids)
-    assert len(items) == 2 and len(items[1].token_ids) == 24 - len(items[0].token_ids)
+    # On a fast machine the engine may finish before the first item is taken, so the first
+    # item can already hold everything; unmerged there would be one item per decode step.
+    assert len(items) <= 2, [len(i.token_ids) for i in items]
+    assert items[-1].finish_reason is not None
 
 
 def test_abort_frees_the_blocks(sess):
