@@ -62,12 +62,16 @@ CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool", "developer
 
 
 def _read_json(path: pathlib.Path) -> Any:
-    """Parse a JSON model file; any failure is a broken model file."""
+    """Parse a JSON model file; any failure is a broken model file.
+
+    ValueError covers syntax errors, bytes that are not UTF-8 and integers beyond Python's digit
+    limit; RecursionError is JSON nested past the interpreter's recursion limit.
+    """
     try:
         with open(path, encoding="utf-8") as handle:
             return json.load(handle)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DFlashError(f"cannot read {path}: {exc}") from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        raise DFlashError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
 
 
 def _read_json_optional(path: pathlib.Path) -> dict[str, Any]:
