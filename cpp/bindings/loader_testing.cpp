@@ -24,13 +24,24 @@ namespace {
 
 std::string bytes_str(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
 
+// The safetensors name of a dtype dflash reads.
+const char* safetensors_dtype(DType t) {
+  switch (t) {
+    case DType::kF32: return "F32";
+    case DType::kF16: return "F16";
+    case DType::kBF16: return "BF16";
+    case DType::kI32: return "I32";
+    default: throw Error(detail::concat("no safetensors dtype for ", dtype_name(t)));
+  }
+}
+
 // [(name, dtype, shape, data bytes or None for dtypes dflash cannot read)] in name order.
 nb::list safetensors_read(const std::string& path) {
   SafetensorsFile file(path);
   std::map<std::string, nb::tuple> rows;
   for (const auto& [name, t] : file.tensors()) {
     nb::bytes data(reinterpret_cast<const char*>(t.data), t.nbytes);
-    rows.emplace(name, nb::make_tuple(name, dtype_name(t.dtype), nb::cast(t.shape), data));
+    rows.emplace(name, nb::make_tuple(name, safetensors_dtype(t.dtype), nb::cast(t.shape), data));
   }
   for (const auto& [name, dtype] : file.unreadable()) {
     rows.emplace(name, nb::make_tuple(name, dtype, nb::none(), nb::none()));

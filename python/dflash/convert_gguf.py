@@ -231,10 +231,13 @@ def _convert_tensors(reader: Any, cfg: dict[str, Any], dtype: type, path: Path) 
     out: dict[str, np.ndarray] = {}
     for t, name, kind in mapped:
         try:
-            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(expect[name])
+            with np.errstate(all="ignore"):  # a corrupt scale is reported below, not warned about
+                w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(expect[name])
         except Exception as exc:  # unsupported quantization, data cut short
             raise DFlashError(f"{path}: tensor {t.name!r} of type {getattr(t.tensor_type, 'name', t.tensor_type)} "
                               f"cannot be dequantized ({type(exc).__name__}: {exc})") from None
+        if not np.isfinite(w).all():
+            raise DFlashError(f"{path}: tensor {t.name!r} holds NaN or infinite values")
         if kind == "attn_q":
             w = _unpermute(w, cfg["num_attention_heads"])
         elif kind == "attn_k":
