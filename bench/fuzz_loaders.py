@@ -28,7 +28,6 @@ import os
 import pathlib
 import platform
 import random
-import re
 import sys
 import tempfile
 import time
@@ -155,12 +154,12 @@ def run(counts: dict[str, int], seed: int, workers: int) -> dict[str, Any]:
 
 
 def _machine() -> dict[str, Any]:
-    import gguf  # noqa: F401
+    from importlib.metadata import version
+
     import safetensors
 
     from dflash import _core
 
-    from importlib.metadata import version
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
             "dflash_core": _core.__file__, "safetensors": safetensors.__version__, "gguf": version("gguf"),
             "numpy": version("numpy"), "tokenizers": version("tokenizers")}

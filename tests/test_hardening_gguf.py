@@ -33,15 +33,19 @@ def test_tiny_gguf_converts_and_runs(tmp_path):
     assert len(s.generate(["abc"], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
 
 
-def _meta(**changes):
-    m = gguf_metadata()
+def _edited(base: dict, changes: dict) -> dict:
+    """`base` with each change applied: keys are written with '__' for '.', None deletes."""
     for key, value in changes.items():
         key = key.replace("__", ".")
         if value is None:
-            del m[key]
+            del base[key]
         else:
-            m[key] = value
-    return m
+            base[key] = value
+    return base
+
+
+def _meta(**changes):
+    return _edited(gguf_metadata(), changes)
 
 
 METADATA_CASES = [
@@ -89,14 +93,7 @@ def test_bad_metadata_is_a_dflash_error(tmp_path, edits, message):
 
 
 def _tensors(**changes):
-    t = gguf_tensors(VOCAB)
-    for name, value in changes.items():
-        name = name.replace("__", ".")
-        if value is None:
-            del t[name]
-        else:
-            t[name] = value
-    return t
+    return _edited(gguf_tensors(VOCAB), changes)
 
 
 TENSOR_CASES = [
