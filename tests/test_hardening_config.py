@@ -182,6 +182,22 @@ def test_null_rope_scaling_and_absent_hidden_act_keep_their_defaults():
     assert _parse_target(json.dumps({**cfg, "rope_scaling": None}).encode()).hidden_size == 64
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("clean_up_tokenization_spaces", "no", r"clean_up_tokenization_spaces must be true or false, got 'no'"),
+    ("chat_template", {"default": 5}, r"chat_template must map names to template strings"),
+    ("chat_template", [{"name": "default", "template": 5}], r"malformed chat_template entry"),
+    ("additional_special_tokens", "<x>", r"additional_special_tokens must be a list or an object, got '<x>'"),
+    ("eos_token", {"content": "<|im_end|>", "lstrip": "yes"}, r"special token flag 'lstrip' must be true or false"),
+    ("bos_token", 5, r"special token must be a string or an object with 'content', got 5"),
+])
+def test_wrongly_typed_tokenizer_config_fields_are_errors(tiny_model_dirs, tmp_path, field, value, message):
+    d = _copy(tiny_model_dirs, tmp_path)
+    path = d / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    with pytest.raises(DFlashError, match=message):
+        _load(d)
+
+
 # --- every tensor used ------------------------------------------------------------------------
 
 
