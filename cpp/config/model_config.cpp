@@ -13,48 +13,43 @@ void collect_eos(const Json& j, const std::string& what, std::vector<int64_t>* o
   if (!j.is_object() || !j.contains("eos_token_id") || j["eos_token_id"].is_null()) return;
   const Json& e = j["eos_token_id"];
   if (e.is_number_integer()) {
-    out->push_back(e.get<int64_t>());
+    out->push_back(json_int_value(e, "eos_token_id", what));
   } else if (e.is_array()) {
-    for (const auto& x : e) {
-      DFLASH_CHECK(x.is_number_integer(), what, ": field 'eos_token_id' must hold integers");
-      out->push_back(x.get<int64_t>());
-    }
+    for (const auto& x : e) out->push_back(json_int_value(x, "eos_token_id", what));
   } else {
-    DFLASH_CHECK(false, what, ": field 'eos_token_id' must be an integer or a list");
+    DFLASH_CHECK(false, what, ": field 'eos_token_id' must be an integer or a list, got ", json_brief(e));
   }
+}
+
+// A finite positive number, for scales and frequencies.
+void check_positive(double v, const std::string& what, const char* field) {
+  DFLASH_CHECK(std::isfinite(v) && v > 0, what, ": field '", field, "' must be a positive number, got ", v);
 }
 
 RopeConfig parse_rope(const Json& j, const std::string& what) {
   RopeConfig r;
   // transformers 5 writes rope_parameters {rope_type, rope_theta, ...}; older files write
-  // rope_theta at the top level and rope_scaling {rope_type|type, factor, ...}.
-  const Json* params = nullptr;
-  std::string field;
-  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
-    params = &j["rope_parameters"];
-    field = "rope_parameters";
-  }
-  if (j.contains("rope_scaling") && j["rope_scaling"].is_object()) {
-    params = &j["rope_scaling"];
-    field = "rope_scaling";
-  }
+  // rope_theta at the top level and rope_scaling {rope_type|type, factor, ...} (null: none).
+  const Json* rope_parameters = json_opt_object(j, "rope_parameters", what);
+  const Json* rope_scaling = json_opt_object(j, "rope_scaling", what);
+  const Json* params = rope_scaling ? rope_scaling : rope_parameters;
+  const std::string field = rope_scaling ? "rope_scaling" : "rope_parameters";
   if (auto t = json_opt_double(j, "rope_theta", what)) r.theta = *t;
-  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
-    if (auto t = json_opt_double(j["rope_parameters"], "rope_theta", what + " rope_parameters"))
-      r.theta = *t;
+  if (rope_parameters) {
+    if (auto t = json_opt_double(*rope_parameters, "rope_theta", what + " rope_parameters")) r.theta = *t;
   }
-  DFLASH_CHECK(r.theta > 0, what, ": field 'rope_theta' must be positive");
+  check_positive(r.theta, what, "rope_theta");
   if (!params) return r;
   const std::string pw = what + " " + field;
-  if (params->contains("rope_type") && (*params)["rope_type"].is_string()) {
-    r.type = (*params)["rope_type"].get<std::string>();
-  } else if (params->contains("type") && (*params)["type"].is_string()) {
-    r.type = (*params)["type"].get<std::string>();
+  if (auto t = json_opt_string(*params, "rope_type", pw)) {
+    r.type = *t;
+  } else if (auto t2 = json_opt_string(*params, "type", pw)) {
+    r.type = *t2;
   }
   if (r.type == "default") return r;
   if (r.type == "linear") {
     r.factor = json_get_double(*params, "factor", pw);
-    DFLASH_CHECK(r.factor > 0, pw, ": field 'factor' must be positive");
+    check_positive(r.factor, pw, "factor");
     return r;
   }
   if (r.type == "llama3") {
@@ -63,9 +58,10 @@ RopeConfig parse_rope(const Json& j, const std::string& what) {
     r.high_freq_factor = json_get_double(*params, "high_freq_factor", pw);
     r.original_max_position_embeddings =
         json_get_int(*params, "original_max_position_embeddings", pw);
-    DFLASH_CHECK(r.factor > 0 && r.low_freq_factor > 0 &&
-                     r.high_freq_factor > r.low_freq_factor &&
-                     r.original_max_position_embeddings > 0,
+    check_positive(r.factor, pw, "factor");
+    check_positive(r.low_freq_factor, pw, "low_freq_factor");
+    check_positive(r.high_freq_factor, pw, "high_freq_factor");
+    DFLASH_CHECK(r.high_freq_factor > r.low_freq_factor && r.original_max_position_embeddings > 0,
                  pw, ": inconsistent llama3 rope parameters");
     return r;
   }
@@ -74,19 +70,26 @@ RopeConfig parse_rope(const Json& j, const std::string& what) {
   return r;
 }
 
+// The architecture name: architectures[0] (a non-empty list of strings), else model_type.
+std::string architecture_name(const Json& j, const std::string& what) {
+  if (const Json* a = json_opt_array(j, "architectures", what)) {
+    for (const auto& x : *a) {
+      DFLASH_CHECK(x.is_string(), what, ": field 'architectures' must be a list of strings, got ", json_brief(*a));
+    }
+    if (!a->empty()) return (*a)[0].get<std::string>();
+  }
+  if (auto mt = json_opt_string(j, "model_type", what)) {
+    return *mt == "llama" ? "LlamaForCausalLM" : *mt == "qwen3" ? "Qwen3ForCausalLM" : *mt;
+  }
+  return std::string();
+}
+
 }  // namespace
 
 ModelConfig model_config_from_json(const Json& j, const std::string& what) {
   DFLASH_CHECK(j.is_object(), what, ": expected a JSON object");
   ModelConfig c;
-  std::string arch;
-  if (j.contains("architectures") && j["architectures"].is_array() &&
-      !j["architectures"].empty() && j["architectures"][0].is_string()) {
-    arch = j["architectures"][0].get<std::string>();
-  } else if (j.contains("model_type") && j["model_type"].is_string()) {
-    std::string mt = j["model_type"].get<std::string>();
-    arch = mt == "llama" ? "LlamaForCausalLM" : mt == "qwen3" ? "Qwen3ForCausalLM" : mt;
-  }
+  const std::string arch = architecture_name(j, what);
   DFLASH_CHECK(!arch.empty(), what, ": missing field 'architectures'");
   if (arch == "LlamaForCausalLM") {
     c.arch = Architecture::kLlama;
@@ -98,21 +101,21 @@ ModelConfig model_config_from_json(const Json& j, const std::string& what) {
                  "' in field 'architectures' (supported: LlamaForCausalLM, Qwen3ForCausalLM)");
   }
   c.arch_name = arch;
-  c.hidden_size = json_get_int(j, "hidden_size", what);
-  c.intermediate_size = json_get_int(j, "intermediate_size", what);
-  c.num_layers = json_get_int(j, "num_hidden_layers", what);
-  c.num_heads = json_get_int(j, "num_attention_heads", what);
-  c.num_kv_heads = json_opt_int(j, "num_key_value_heads", what).value_or(c.num_heads);
-  c.vocab_size = json_get_int(j, "vocab_size", what);
-  auto check_pos = [&](int64_t v, const char* field) {
+  // Dimensions: positive and at most a bound far above any real model, so that every size the
+  // runtime derives from them (weights, activations, logits) fits in 64 bits and a config
+  // declaring enormous sizes is refused before anything is allocated.
+  auto dim = [&](int64_t v, const char* field, int64_t max) {
     DFLASH_CHECK(v > 0, what, ": field '", field, "' must be positive, got ", v);
+    DFLASH_CHECK(v <= max, what, ": field '", field, "' is ", v, ", beyond the largest dflash accepts (", max, ")");
+    return v;
   };
-  check_pos(c.hidden_size, "hidden_size");
-  check_pos(c.intermediate_size, "intermediate_size");
-  check_pos(c.num_layers, "num_hidden_layers");
-  check_pos(c.num_heads, "num_attention_heads");
-  check_pos(c.num_kv_heads, "num_key_value_heads");
-  check_pos(c.vocab_size, "vocab_size");
+  c.hidden_size = dim(json_get_int(j, "hidden_size", what), "hidden_size", kMaxModelWidth);
+  c.intermediate_size = dim(json_get_int(j, "intermediate_size", what), "intermediate_size", kMaxModelWidth);
+  c.num_layers = dim(json_get_int(j, "num_hidden_layers", what), "num_hidden_layers", kMaxModelLayers);
+  c.num_heads = dim(json_get_int(j, "num_attention_heads", what), "num_attention_heads", kMaxModelHeads);
+  c.num_kv_heads = dim(json_opt_int(j, "num_key_value_heads", what).value_or(c.num_heads), "num_key_value_heads",
+                       kMaxModelHeads);
+  c.vocab_size = dim(json_get_int(j, "vocab_size", what), "vocab_size", kMaxModelVocab);
   DFLASH_CHECK(c.num_heads % c.num_kv_heads == 0, what, ": field 'num_attention_heads' (",
                c.num_heads, ") must be a multiple of 'num_key_value_heads' (", c.num_kv_heads,
                ")");
@@ -127,14 +130,17 @@ ModelConfig model_config_from_json(const Json& j, const std::string& what) {
   }
   DFLASH_CHECK(c.head_dim > 0 && c.head_dim % 2 == 0, what,
                ": field 'head_dim' must be positive and even, got ", c.head_dim);
-  c.max_position_embeddings = json_opt_int(j, "max_position_embeddings", what).value_or(2048);
-  check_pos(c.max_position_embeddings, "max_position_embeddings");
+  dim(c.head_dim, "head_dim", kMaxModelHeadDim);
+  c.max_position_embeddings = dim(json_opt_int(j, "max_position_embeddings", what).value_or(2048),
+                                  "max_position_embeddings", INT32_MAX);  // positions are int32
   c.rms_norm_eps = json_opt_double(j, "rms_norm_eps", what).value_or(1e-6);
-  DFLASH_CHECK(c.rms_norm_eps > 0, what, ": field 'rms_norm_eps' must be positive");
+  check_positive(c.rms_norm_eps, what, "rms_norm_eps");
   c.tie_word_embeddings = json_opt_bool(j, "tie_word_embeddings", what).value_or(false);
-  if (j.contains("hidden_act") && j["hidden_act"].is_string()) {
-    std::string act = j["hidden_act"].get<std::string>();
-    DFLASH_CHECK(act == "silu", what, ": unsupported 'hidden_act' '", act, "' (only silu)");
+  if (j.contains("hidden_act")) {  // absent: silu (transformers' default); null or a non-string: an error
+    const Json& act = j["hidden_act"];
+    DFLASH_CHECK(act.is_string(), what, ": field 'hidden_act' must be a string, got ", json_brief(act));
+    DFLASH_CHECK(act.get<std::string>() == "silu", what, ": unsupported 'hidden_act' '", act.get<std::string>(),
+                 "' (only silu)");
   }
   DFLASH_CHECK(!json_opt_bool(j, "attention_bias", what).value_or(false), what,
                ": 'attention_bias': true is not supported");
@@ -144,6 +150,8 @@ ModelConfig model_config_from_json(const Json& j, const std::string& what) {
                ": 'use_sliding_window': true is not supported");
   c.rope = parse_rope(j, what);
   if (auto b = json_opt_int(j, "bos_token_id", what)) c.bos_token_id = *b;
+  DFLASH_CHECK(c.bos_token_id < c.vocab_size, what, ": bos_token_id ", c.bos_token_id,
+               " is outside the vocabulary (", c.vocab_size, ")");
   collect_eos(j, what, &c.eos_token_ids);
   return c;
 }

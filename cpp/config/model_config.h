@@ -3,6 +3,7 @@
 // for the supported rope types (default, linear, llama3).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,14 @@
 namespace dflash {
 
 enum class Architecture { kLlama, kQwen3 };
+
+// The largest dimensions a config may declare (far beyond real models: hidden 16384, 128k-262k
+// vocabulary, 126 layers, head_dim 256); with them every derived size fits in 64 bits.
+constexpr int64_t kMaxModelWidth = int64_t{1} << 20;  // hidden_size, intermediate_size
+constexpr int64_t kMaxModelVocab = int64_t{1} << 24;
+constexpr int64_t kMaxModelLayers = 4096;
+constexpr int64_t kMaxModelHeads = 4096;
+constexpr int64_t kMaxModelHeadDim = 4096;
 
 struct RopeConfig {
   std::string type = "default";  // "default", "linear" or "llama3"

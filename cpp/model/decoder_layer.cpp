@@ -17,6 +17,24 @@ LayerGeometry layer_geometry(const ModelConfig& c) {
   return g;
 }
 
+void layer_tensor_shapes(const std::string& p, const LayerGeometry& g, TensorShapes* out) {
+  const int64_t h = g.hidden, hd = g.head_dim, nh = g.num_heads, nkv = g.num_kv_heads, inter = g.intermediate;
+  TensorShapes& t = *out;
+  t[p + "input_layernorm.weight"] = {h};
+  t[p + "self_attn.q_proj.weight"] = {nh * hd, h};
+  t[p + "self_attn.k_proj.weight"] = {nkv * hd, h};
+  t[p + "self_attn.v_proj.weight"] = {nkv * hd, h};
+  t[p + "self_attn.o_proj.weight"] = {h, nh * hd};
+  if (g.qk_norm) {
+    t[p + "self_attn.q_norm.weight"] = {hd};
+    t[p + "self_attn.k_norm.weight"] = {hd};
+  }
+  t[p + "post_attention_layernorm.weight"] = {h};
+  t[p + "mlp.gate_proj.weight"] = {inter, h};
+  t[p + "mlp.up_proj.weight"] = {inter, h};
+  t[p + "mlp.down_proj.weight"] = {h, inter};
+}
+
 Tensor weight_load(Backend& backend, const Checkpoint& ckpt, const std::string& name,
                    const std::vector<int64_t>& shape, size_t* bytes) {
   Tensor t = backend.weight({&ckpt.get(name, shape)});

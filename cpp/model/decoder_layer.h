@@ -34,6 +34,10 @@ struct LayerWeights {
   Tensor kv_weight(const LayerGeometry& g) const { return qkv.rows(g.num_heads * g.head_dim, qkv.dim(0)); }
 };
 
+// Adds the tensors of one layer, `prefix` + {input_layernorm, self_attn.{q,k,v,o}_proj,
+// self_attn.{q,k}_norm (QK-norm only), post_attention_layernorm, mlp.*}.weight, with their shapes.
+void layer_tensor_shapes(const std::string& prefix, const LayerGeometry& g, TensorShapes* out);
+
 // Uploads one stored tensor (shape-checked) in the compute dtype; adds its bytes to *bytes.
 Tensor weight_load(Backend& backend, const Checkpoint& ckpt, const std::string& name,
                    const std::vector<int64_t>& shape, size_t* bytes);

@@ -10,29 +10,17 @@ namespace {
 
 // The tensors a drafter of this config uses, with their shapes: the published DFlash set, plus
 // the conv and selector tensors of a DFlash2DraftModel.
-std::map<std::string, std::vector<int64_t>> drafter_tensors(const DraftConfig& c, const ModelConfig& target) {
+TensorShapes drafter_tensors(const DraftConfig& c, const ModelConfig& target) {
   const ModelConfig& g = c.geometry;
-  const int64_t h = g.hidden_size, hd = g.head_dim, nh = g.num_heads, nkv = g.num_kv_heads;
-  const int64_t inter = g.intermediate_size;
-  std::map<std::string, std::vector<int64_t>> t;
+  const int64_t h = g.hidden_size;
+  TensorShapes t;
   t["fc.weight"] = {h, static_cast<int64_t>(c.target_layer_ids.size()) * target.hidden_size};
   t["hidden_norm.weight"] = {h};
   t["norm.weight"] = {h};
+  const LayerGeometry lg = layer_geometry(g);
   for (int64_t l = 0; l < g.num_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
-    t[p + "input_layernorm.weight"] = {h};
-    t[p + "self_attn.q_proj.weight"] = {nh * hd, h};
-    t[p + "self_attn.k_proj.weight"] = {nkv * hd, h};
-    t[p + "self_attn.v_proj.weight"] = {nkv * hd, h};
-    t[p + "self_attn.o_proj.weight"] = {h, nh * hd};
-    if (g.qk_norm) {
-      t[p + "self_attn.q_norm.weight"] = {hd};
-      t[p + "self_attn.k_norm.weight"] = {hd};
-    }
-    t[p + "post_attention_layernorm.weight"] = {h};
-    t[p + "mlp.gate_proj.weight"] = {inter, h};
-    t[p + "mlp.up_proj.weight"] = {inter, h};
-    t[p + "mlp.down_proj.weight"] = {h, inter};
+    layer_tensor_shapes(p, lg, &t);
     if (c.arch == DraftArch::kDFlash2) {
       const int64_t taps = c.dflash2.conv_kernel_size, groups = h / c.dflash2.conv_group_size;
       for (const char* side : {"attention_conv.", "mlp_conv."}) {
@@ -54,17 +42,15 @@ std::map<std::string, std::vector<int64_t>> drafter_tensors(const DraftConfig& c
 // every tensor it needs is there: a checkpoint with more layers than num_hidden_layers, or a
 // DFlash2 checkpoint labelled DFlashDraftModel, never loads silently as something else.
 void check_tensor_set(const Checkpoint& ckpt, const DraftConfig& c, const ModelConfig& target) {
-  const auto expected = drafter_tensors(c, target);
-  for (const std::string& name : ckpt.names()) {
-    if (expected.count(name)) continue;
+  const std::string owner = detail::concat("a ", c.arch_name, " with ", c.geometry.num_layers, " layers (", c.path,
+                                           ")");
+  ckpt.check_tensor_set(drafter_tensors(c, target), owner, [&](const std::string& name) {
     const bool dflash2_part = name.find("_conv.") != std::string::npos || name.rfind("candidate_selector.", 0) == 0;
-    DFLASH_CHECK(false, ckpt.get(name).file, ": tensor '", name, "' is not used by a ", c.arch_name, " with ",
-                 c.geometry.num_layers, " layers (", c.path, ")",
-                 dflash2_part && c.arch == DraftArch::kDFlash
-                     ? "; it is a DFlash2 tensor: a DFlash2 checkpoint needs \"architectures\": [\"DFlash2DraftModel\"]"
-                     : "; check num_hidden_layers and the architecture");
-  }
-  for (const auto& entry : expected) ckpt.get(entry.first);  // missing: an error naming it
+    return std::string(dflash2_part && c.arch == DraftArch::kDFlash
+                           ? "; it is a DFlash2 tensor: a DFlash2 checkpoint needs \"architectures\": "
+                             "[\"DFlash2DraftModel\"]"
+                           : "; check num_hidden_layers and the architecture");
+  });
 }
 
 // Every tensor has the shape the architecture needs (the error names the tensor and both shapes).

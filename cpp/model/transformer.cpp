@@ -6,6 +6,30 @@
 
 namespace dflash {
 
+TensorShapes transformer_tensors(const ModelConfig& c) {
+  const int64_t h = c.hidden_size, v = c.vocab_size;
+  TensorShapes t;
+  t["model.embed_tokens.weight"] = {v, h};
+  t["model.norm.weight"] = {h};
+  if (!c.tie_word_embeddings) t["lm_head.weight"] = {v, h};
+  const LayerGeometry g = layer_geometry(c);
+  for (int64_t l = 0; l < c.num_layers; ++l) layer_tensor_shapes("model.layers." + std::to_string(l) + ".", g, &t);
+  return t;
+}
+
+void transformer_check_checkpoint(const ModelConfig& c, const Checkpoint& ckpt) {
+  DFLASH_CHECK(c.tie_word_embeddings || ckpt.has("lm_head.weight"), ckpt.dir(),
+               ": config.json has tie_word_embeddings=false but there is no 'lm_head.weight'");
+  const TensorShapes expected = transformer_tensors(c);
+  const std::string owner = detail::concat("a ", c.arch_name, " with ", c.num_layers, " layers");
+  ckpt.check_tensor_set(expected, owner, [&](const std::string& name) {
+    if (name == "lm_head.weight") return std::string(" (config.json has tie_word_embeddings=true)");
+    return std::string(" (check num_hidden_layers in config.json)");
+  });
+  ckpt.get("model.embed_tokens.weight", expected.at("model.embed_tokens.weight"));  // a wrong vocab shows here
+  for (const auto& [name, shape] : expected) ckpt.get(name, shape);
+}
+
 Transformer::Transformer(const ModelConfig& config, const Checkpoint& ckpt, Backend& backend,
                          std::vector<int> tap_layers)
     : config_(config), geometry_(layer_geometry(config)), backend_(backend), tap_layers_(std::move(tap_layers)) {
@@ -14,6 +38,7 @@ Transformer::Transformer(const ModelConfig& config, const Checkpoint& ckpt, Back
     DFLASH_ARG_CHECK(l >= 0 && l < config.num_layers, "tap layer ", l, " is outside the model's ",
                      config.num_layers, " layers");
   }
+  transformer_check_checkpoint(config, ckpt);
   auto load = [&](const std::string& name, std::vector<int64_t> shape) {
     return weight_load(backend_, ckpt, name, shape, &weight_bytes_);
   };
@@ -22,8 +47,6 @@ Transformer::Transformer(const ModelConfig& config, const Checkpoint& ckpt, Back
   if (config.tie_word_embeddings) {
     lm_head_ = embed_;
   } else {
-    DFLASH_CHECK(ckpt.has("lm_head.weight"), ckpt.dir(),
-                 ": config.json has tie_word_embeddings=false but there is no 'lm_head.weight'");
     lm_head_ = load("lm_head.weight", {v, h});
   }
   for (int64_t l = 0; l < config.num_layers; ++l) {

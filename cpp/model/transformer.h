@@ -51,6 +51,14 @@ class Transformer {
   size_t weight_bytes_ = 0;
 };
 
+// The tensors a target of this config uses, with their shapes (lm_head.weight only untied).
+TensorShapes transformer_tensors(const ModelConfig& config);
+
+// Checks that `ckpt` holds exactly the tensors of transformer_tensors(config) with their shapes:
+// an unused tensor (a second layer when num_hidden_layers says 1, an lm_head of a tied model)
+// or a missing or misshapen one is a dflash::Error naming it. Allocates nothing.
+void transformer_check_checkpoint(const ModelConfig& config, const Checkpoint& ckpt);
+
 // logits[N, V] (logits_dtype) = normed rows of batch.logit_rows (or all rows) @ lm_head[V, H]^T.
 Tensor lm_head_rows(Backend& backend, const Tensor& lm_head, const Tensor& normed, const DeviceBatch& batch,
                     DType logits_dtype);

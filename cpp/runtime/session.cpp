@@ -20,17 +20,17 @@ int64_t host_memory_bytes() {
 
 // The CUDA per-step arena: activations of the largest step, the logits it can produce, taps
 // and metadata, with headroom.
-size_t scratch_bytes(const ModelConfig& c, const SessionConfig& s, int64_t num_taps, int64_t spec_tokens,
-                     const DraftConfig* draft) {
-  const int64_t rows = std::max<int64_t>(s.max_num_batched_tokens, s.max_num_seqs * (spec_tokens + 1));
-  const int64_t logit_rows = std::max<int64_t>(s.max_num_seqs * (spec_tokens + 1), 1);
+double scratch_bytes_estimate(const ModelConfig& c, const SessionConfig& s, int64_t num_taps,
+                              int64_t spec_tokens, const DraftConfig* draft) {
+  const double rows = std::max<int64_t>(s.max_num_batched_tokens, s.max_num_seqs * (spec_tokens + 1));
+  const double logit_rows = std::max<int64_t>(s.max_num_seqs * (spec_tokens + 1), 1);
   // Per row of the target forward: residual, taps, and the layer scratch (normed, fused qkv and
   // q/k/v split from it, attention out, projection, gate_up, act), with room to spare.
-  const int64_t width = c.hidden_size * (4 + num_taps) + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
-                        2 * c.num_heads * c.head_dim + 3 * c.intermediate_size;
-  const int64_t activations = rows * width * 2;
-  const int64_t logits = logit_rows * c.vocab_size * 4 * 2;
-  int64_t context_update = 0;
+  const double width = c.hidden_size * (4 + num_taps) + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
+                       2 * c.num_heads * c.head_dim + 3 * c.intermediate_size;
+  const double activations = rows * width * 2;
+  const double logits = logit_rows * c.vocab_size * 4 * 2;
+  double context_update = 0;
   if (draft != nullptr) {
     // The drafter's context update runs in the same step as the target forward over the same
     // committed rows (a whole prefill chunk): fc out and its norm [H_d] each, and the K/V of every
@@ -38,21 +38,56 @@ size_t scratch_bytes(const ModelConfig& c, const SessionConfig& s, int64_t num_t
     const ModelConfig& g = draft->geometry;
     context_update = rows * (2 * g.hidden_size + g.num_layers * 2 * g.num_kv_heads * g.head_dim) * 2;
   }
-  int64_t selector = 0;
+  double selector = 0;
   if (draft != nullptr && draft->arch == DraftArch::kDFlash2) {
     // Per draft row: edges [K, K], candidates and unary [K], the gate [rank] (fp32), the top-K
     // partials (<= one K list of (key, id) per 4096 vocabulary entries); per block row: the conv's
     // input and deltas [2 T H / g] (bf16). draft_head="fp8" needs nothing more: its FP8 logits
     // take the exact head's logit rows (counted in `logits`), the re-score works in place.
     const DFlash2Config& d = draft->dflash2;
-    const int64_t draft_rows = s.max_num_seqs * spec_tokens, k = d.selector_top_k;
+    const double draft_rows = static_cast<double>(s.max_num_seqs) * spec_tokens, k = d.selector_top_k;
     selector = draft_rows * (k * k * 4 + k * 12 + d.selector_rank * 4 + (c.vocab_size / 4096 + 2) * k * 8) +
-               s.max_num_seqs * (spec_tokens + 1) *
+               static_cast<double>(s.max_num_seqs) * (spec_tokens + 1) *
                    (draft->geometry.hidden_size * 2 + 2 * d.conv_kernel_size * (draft->geometry.hidden_size /
                                                                                   d.conv_group_size) * 2);
   }
-  return static_cast<size_t>(activations + logits + context_update + selector + (64ll << 20));
+  return activations + logits + context_update + selector + static_cast<double>(64ll << 20);
 }
+
+// The arena size, refused (before anything is allocated) when it is beyond any device.
+size_t scratch_bytes(const ModelConfig& c, const SessionConfig& s, int64_t num_taps, int64_t spec_tokens,
+                     const DraftConfig* draft) {
+  const double bytes = scratch_bytes_estimate(c, s, num_taps, spec_tokens, draft);
+  DFLASH_ARG_CHECK(bytes < static_cast<double>(int64_t{1} << 50), "a step of max_num_seqs=", s.max_num_seqs,
+                   ", max_num_batched_tokens=", s.max_num_batched_tokens, " needs a per-step workspace of ", bytes,
+                   " bytes; lower them");
+  return static_cast<size_t>(bytes);
+}
+
+// The KV bytes of one token: K and V of every layer of the target and of the drafter.
+int64_t kv_bytes_per_token(const ModelConfig& c, const DraftConfig* draft, DType dtype) {
+  int64_t bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_size(dtype);
+  if (draft) bytes += 2 * draft->geometry.num_layers * draft->geometry.num_kv_heads * draft->geometry.head_dim *
+                      dtype_size(dtype);
+  return bytes;
+}
+
+// An explicit kv_cache_tokens must fit the memory of the device (the host on the CPU): a clear
+// error before anything of the cache is allocated.
+void kv_cache_check_fits(int64_t kv_tokens, int64_t bytes_per_token, const Backend& backend) {
+  if (kv_tokens == 0) return;  // sized from the free memory below
+  size_t free_bytes = 0, total_bytes = 0;
+  const bool device = backend.device_memory(&free_bytes, &total_bytes);
+  const int64_t memory = device ? static_cast<int64_t>(total_bytes) : host_memory_bytes();
+  int64_t bytes = 0;
+  const bool overflow = __builtin_mul_overflow(kv_tokens, bytes_per_token, &bytes);
+  DFLASH_ARG_CHECK(!overflow && bytes <= memory, "kv_cache_tokens=", kv_tokens, " needs ",
+                   overflow ? std::string("more than 2^63") : std::to_string(bytes), " bytes of KV cache (",
+                   bytes_per_token, " per token), more than the ", memory, " bytes of ", device ? "GPU" : "host",
+                   " memory; lower kv_cache_tokens");
+}
+
+
 
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -97,6 +132,10 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   const int64_t spec_tokens = config.draft_dir.empty() ? 0
                               : config.num_speculative_tokens > 0 ? config.num_speculative_tokens
                                                                   : draft_config.block_size - 1;
+  // The target's files are validated (header layout, tensor set, shapes) before the backend
+  // allocates anything.
+  checkpoint_ = std::make_unique<Checkpoint>(model_dir);
+  transformer_check_checkpoint(config_, *checkpoint_);
   backend_ = backend_create(config.device, threads,
                             scratch_bytes(config_, config, static_cast<int64_t>(taps.size()), spec_tokens,
                                           config.draft_dir.empty() ? nullptr : &draft_config));
@@ -108,7 +147,9 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
     check_head_dim(config_.head_dim, model_dir);
     if (!config.draft_dir.empty()) check_head_dim(draft_config.geometry.head_dim, config.draft_dir);
   }
-  checkpoint_ = std::make_unique<Checkpoint>(model_dir);
+  const int64_t bytes_per_token = kv_bytes_per_token(config_, config.draft_dir.empty() ? nullptr : &draft_config,
+                                                     backend_->compute_dtype());
+  kv_cache_check_fits(config.kv_cache_tokens, bytes_per_token, *backend_);
   model_ = std::make_unique<Transformer>(config_, *checkpoint_, *backend_, taps);
   if (!config.draft_dir.empty()) {
     drafter_ = drafter_create(draft_config, config.draft_dir, *backend_, *model_, model_dir);
@@ -148,12 +189,6 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
 
   max_model_len_ = config.max_model_len > 0 ? config.max_model_len
                                             : config_.max_position_embeddings;
-  int64_t bytes_per_token = 2 * config_.num_layers * config_.num_kv_heads * config_.head_dim *
-                            dtype_size(backend_->compute_dtype());
-  if (drafter_) {
-    const ModelConfig& g = drafter_->config().geometry;
-    bytes_per_token += 2 * g.num_layers * g.num_kv_heads * g.head_dim * dtype_size(backend_->compute_dtype());
-  }
   int64_t kv_tokens = config.kv_cache_tokens;
   size_t free_bytes = 0, total_bytes = 0;
   if (kv_tokens == 0 && backend_->device_memory(&free_bytes, &total_bytes)) {

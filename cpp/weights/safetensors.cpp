@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <set>
@@ -111,6 +112,47 @@ size_t any_dtype_size(const std::string& s) {
   return 0;
 }
 
+// The reference library's bound on the JSON header (100 MB).
+constexpr uint64_t kMaxHeaderBytes = 100000000;
+
+// __metadata__: null or an object of strings, as the reference library requires.
+void metadata_check(const Json& m, const std::string& path) {
+  if (m.is_null()) return;
+  DFLASH_CHECK(m.is_object(), path, ": safetensors __metadata__ must be an object of strings, got ", json_brief(m));
+  for (const auto& [key, value] : m.items()) {
+    DFLASH_CHECK(value.is_string(), path, ": safetensors __metadata__ entry '", key, "' must be a string, got ",
+                 json_brief(value));
+  }
+}
+
+// Where one tensor's bytes lie in the data section.
+struct Span {
+  uint64_t begin, end;
+  std::string name;
+};
+
+// The layout the reference library enforces: in offset order, every tensor starts where the
+// previous one ends (the first at 0: no gaps, no overlap, no bytes shared between tensors),
+// and the last one ends at the end of the file (no data after it; a header length one byte
+// off shows up here).
+void layout_check(std::vector<Span>& spans, uint64_t data_bytes, const std::string& path) {
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  uint64_t at = 0;
+  for (const Span& s : spans) {
+    DFLASH_CHECK(s.begin == at, path, ": tensor '", s.name, "' has data_offsets [", s.begin, ", ", s.end, ") but ",
+                 at == 0 ? std::string("the first tensor must start at byte 0")
+                         : "the tensor before it ends at byte " + std::to_string(at),
+                 s.begin < at ? " (tensors overlap)" : " (a gap between tensors)",
+                 "; safetensors stores tensors back to back");
+    at = s.end;
+  }
+  DFLASH_CHECK(at == data_bytes, path, ": the tensors cover ", at, " of the file's ", data_bytes,
+               " data bytes: there are ", data_bytes - at,
+               " bytes after the last tensor (wrong header length or extra data)");
+}
+
 }  // namespace
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
@@ -142,11 +184,17 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   const uint8_t* data = base + 8 + header_bytes;
   const size_t data_bytes = map_bytes_ - 8 - header_bytes;
   try {
+    DFLASH_CHECK(header_bytes <= kMaxHeaderBytes, path, ": corrupt safetensors header: header size ", header_bytes,
+                 " exceeds the format's limit of ", kMaxHeaderBytes, " bytes");
     Json header = json_parse(std::string(reinterpret_cast<const char*>(base + 8), header_bytes),
                              path + " (safetensors header)");
     DFLASH_CHECK(header.is_object(), path, ": safetensors header is not a JSON object");
+    std::vector<Span> spans;  // [num_tensors] where each tensor's bytes lie, to check the layout
     for (auto& [name, info] : header.items()) {
-      if (name == "__metadata__") continue;
+      if (name == "__metadata__") {
+        metadata_check(info, path);
+        continue;
+      }
       const std::string what = path + " tensor '" + name + "'";
       DFLASH_CHECK(info.is_object(), what, ": entry is not an object");
       std::string dt = json_get_string(info, "dtype", what);
@@ -156,12 +204,11 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       t.name = name;
       t.file = path;
       DType parsed;
-      t.dtype = parse_dtype(dt, &parsed) ? parsed : DType::kI32;
-      bool readable = parse_dtype(dt, &parsed);
+      const bool readable = parse_dtype(dt, &parsed);
+      t.dtype = readable ? parsed : DType::kI32;
       DFLASH_CHECK(info.contains("shape") && info["shape"].is_array(), what, ": missing shape");
       for (auto& d : info["shape"]) {
-        DFLASH_CHECK(d.is_number_integer() && d.get<int64_t>() >= 0, what, ": bad shape ",
-                     info["shape"].dump());
+        DFLASH_CHECK(d.is_number_integer() && d.get<int64_t>() >= 0, what, ": bad shape ", json_brief(info["shape"]));
         t.shape.push_back(d.get<int64_t>());
       }
       DFLASH_CHECK(info.contains("data_offsets") && info["data_offsets"].is_array() &&
@@ -180,6 +227,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       }
       DFLASH_CHECK(end - begin == need, what, ": header says ", end - begin, " bytes but shape ",
                    shape_str(t.shape), " of ", dt, " needs ", need);
+      spans.push_back({begin, end, name});
       if (!readable) {  // other dtypes are validated but never read
         unreadable_.emplace(name, dt);
         continue;
@@ -188,6 +236,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       t.nbytes = end - begin;
       tensors_.emplace(name, std::move(t));
     }
+    layout_check(spans, data_bytes, path);
   } catch (...) {
     ::munmap(map_, map_bytes_);
     map_ = nullptr;
@@ -229,12 +278,26 @@ Checkpoint::Checkpoint(const std::string& model_dir) : dir_(model_dir) {
   for (const auto& f : files) {
     DFLASH_CHECK(fs::exists(f), "missing safetensors shard ", f);
     files_.push_back(std::make_unique<SafetensorsFile>(f));
-    for (const auto& [name, t] : files_.back()->tensors()) {
-      DFLASH_CHECK(index_.count(name) == 0, model_dir, ": tensor '", name,
+    auto check_new = [&](const std::string& name) {
+      DFLASH_CHECK(index_.count(name) == 0 && unreadable_.count(name) == 0, model_dir, ": tensor '", name,
                    "' appears in more than one shard");
+    };
+    for (const auto& [name, t] : files_.back()->tensors()) {
+      check_new(name);
       index_[name] = &t;
     }
-    for (const auto& [name, dt] : files_.back()->unreadable()) unreadable_[name] = dt;
+    for (const auto& [name, dt] : files_.back()->unreadable()) {
+      check_new(name);
+      unreadable_[name] = dt;
+    }
+  }
+  if (!weight_map.empty()) {
+    auto listed = [&](const std::string& name) {
+      DFLASH_CHECK(weight_map.count(name) != 0, index.string(), ": tensor '", name,
+                   "' of a shard is not listed in 'weight_map'");
+    };
+    for (const auto& kv : index_) listed(kv.first);
+    for (const auto& kv : unreadable_) listed(kv.first);
   }
   for (const auto& [name, file] : weight_map) {
     auto it = index_.find(name);
@@ -265,6 +328,16 @@ const StoredTensor& Checkpoint::get(const std::string& name,
   DFLASH_CHECK(t.shape == shape, t.file, ": tensor '", name, "' has shape ", shape_str(t.shape),
                ", expected ", shape_str(shape));
   return t;
+}
+
+void Checkpoint::check_tensor_set(const TensorShapes& expected, const std::string& owner,
+                                  const std::function<std::string(const std::string&)>& hint) const {
+  auto check_used = [&](const std::string& name, const std::string& file) {
+    DFLASH_CHECK(expected.count(name) != 0, file, ": tensor '", name, "' is not used by ", owner, hint(name));
+  };
+  for (const auto& [name, t] : index_) check_used(name, t->file);
+  for (const auto& kv : unreadable_) check_used(kv.first, dir_);
+  for (const auto& entry : expected) get(entry.first);  // missing: an error naming it
 }
 
 std::vector<std::string> Checkpoint::names() const {

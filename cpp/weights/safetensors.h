@@ -1,9 +1,13 @@
 // Safetensors reader: memory-maps .safetensors files, validates their headers, and gives
 // typed views of the tensors. A Checkpoint opens a model directory, single-file or sharded
 // through model.safetensors.index.json. No torch; every malformed input is a dflash::Error.
+// Headers are validated as the reference `safetensors` library does: exact header length,
+// tensors stored back to back from byte 0 to the end of the file (no gap, overlap, shared
+// bytes or trailing data), no duplicate names, bounded JSON nesting, sizes without overflow.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -50,6 +54,9 @@ class SafetensorsFile {
   std::map<std::string, std::string> unreadable_;
 };
 
+// The tensors a model uses with the shapes it needs: name -> shape.
+using TensorShapes = std::map<std::string, std::vector<int64_t>>;
+
 // All tensors of a model directory.
 class Checkpoint {
  public:
@@ -62,6 +69,11 @@ class Checkpoint {
   const StoredTensor& get(const std::string& name, const std::vector<int64_t>& shape) const;
   std::vector<std::string> names() const;
   const std::string& dir() const { return dir_; }
+  // Every tensor of the checkpoint (of any dtype) is one `expected` names, and every tensor
+  // `expected` names is present: the error names an unused tensor, `owner` (what loads the
+  // checkpoint) and what hint(name) adds, or the first missing tensor. Shapes are not checked.
+  void check_tensor_set(const TensorShapes& expected, const std::string& owner,
+                        const std::function<std::string(const std::string&)>& hint) const;
 
  private:
   std::string dir_;

@@ -33,7 +33,7 @@ def _read_prompts(path: str) -> List[Any]:
             continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # syntax, digit limit, nesting past the recursion limit
             raise ValueError(f"{path}:{n}: invalid JSON: {e}") from None
         if isinstance(obj, dict) and "messages" in obj:
             try:

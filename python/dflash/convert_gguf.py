@@ -5,6 +5,9 @@
 # llama.cpp's Q/K row permutation is undone so the standard HF RoPE applies.
 # The directory is written under a temporary name and renamed into place at the end,
 # with a completion marker (MARKER_NAME) written last.
+# A GGUF whose content is broken or unsupported raises dflash.DFlashError naming the file and
+# the key or tensor (metadata is read with type and range checks, tensor shapes are checked
+# before anything is dequantized); a missing path or a bad argument raises ValueError.
 from __future__ import annotations
 
 import hashlib
@@ -17,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .errors import DFlashError
 
 MARKER_NAME = ".dflash_converted"
 CONVERTER_FORMAT = 1
@@ -50,8 +55,19 @@ _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
 
 
+_REQUIRED = object()
+_INT32_MAX = 2**31 - 1
+# Bounds on the model geometry a GGUF may declare (those of the C++ config reader,
+# cpp/config/model_config.h): far beyond real models, refused before anything is allocated.
+_MAX_WIDTH = 1 << 20
+_MAX_VOCAB = 1 << 24
+_MAX_LAYERS = 4096
+_MAX_HEADS = 4096
+
+
 class _Meta:
-    """Typed access to the key/value metadata of a GGUFReader."""
+    """Typed access to the key/value metadata of a GGUFReader: every reader checks the value's
+    type (and range), so a wrongly typed key is a DFlashError naming it, never a default."""
 
     def __init__(self, reader: Any, path: Path) -> None:
         self._fields = reader.fields
@@ -60,14 +76,48 @@ class _Meta:
     def has(self, key: str) -> bool:
         return key in self._fields
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def _value(self, key: str) -> Any:
         field = self._fields.get(key)
-        return default if field is None else field.contents()
+        if field is None:
+            raise DFlashError(f"{self._path}: GGUF metadata key {key!r} is missing")
+        try:
+            return field.contents()
+        except Exception as exc:  # undecodable strings, truncated parts
+            raise DFlashError(f"{self._path}: GGUF metadata key {key!r} cannot be read ({exc})") from None
 
-    def need(self, key: str) -> Any:
-        if key not in self._fields:
-            raise ValueError(f"{self._path}: GGUF metadata key {key!r} is missing")
-        return self._fields[key].contents()
+    def _checked(self, key: str, default: Any, ok: Any, want: str) -> Any:
+        """The value of `key` if ok(value), `default` when the key is absent (unless _REQUIRED)."""
+        if default is not _REQUIRED and key not in self._fields:
+            return default
+        value = self._value(key)
+        if not ok(value):
+            text = repr(value)
+            raise DFlashError(f"{self._path}: GGUF metadata key {key!r} must be {want}, got "
+                              f"{text[:80] + '...' if len(text) > 80 else text}")
+        return value
+
+    def int(self, key: str, default: Any = _REQUIRED, lo: int = 0, hi: int = _INT32_MAX) -> Any:
+        return self._checked(key, default, lambda v: _is_int(v) and lo <= v <= hi, f"an integer in [{lo}, {hi}]")
+
+    def float(self, key: str, default: Any = _REQUIRED) -> float:
+        return float(self._checked(key, default, lambda v: (_is_int(v) or isinstance(v, float)) and v > 0
+                                   and bool(np.isfinite(v)), "a positive finite number"))
+
+    def str(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self._checked(key, default, lambda v: isinstance(v, str), "a string")
+
+    def bool(self, key: str, default: bool) -> bool:
+        return self._checked(key, default, lambda v: isinstance(v, bool), "a boolean")
+
+    def list(self, key: str, item: type, default: Any = _REQUIRED) -> Any:
+        def ok(v: Any) -> bool:
+            return isinstance(v, list) and all(isinstance(x, item) and not isinstance(x, bool) for x in v)
+
+        return self._checked(key, default, ok, f"a list of {item.__name__}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _open_gguf(path: Path) -> Any:
@@ -76,13 +126,13 @@ def _open_gguf(path: Path) -> Any:
     with open(path, "rb") as fh:
         magic = fh.read(4)
     if magic != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file (bad magic {magic!r})")
+        raise DFlashError(f"{path}: not a GGUF file (bad magic {magic!r})")
     from gguf import GGUFReader
 
     try:
         return GGUFReader(path)
-    except Exception as exc:  # truncated or corrupt file: a caller mistake, not a bug
-        raise ValueError(f"{path}: not a valid GGUF file ({exc})") from exc
+    except Exception as exc:  # truncated or corrupt file (the reader raises many types)
+        raise DFlashError(f"{path}: not a valid GGUF file ({type(exc).__name__}: {exc})") from None
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -91,15 +141,15 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _hf_name(gguf_name: str, n_layers: int, path: Path) -> tuple[str, str]:
-    """(HF tensor name, GGUF tensor kind). Raises ValueError for tensors we cannot map."""
+    """(HF tensor name, GGUF tensor kind). Raises DFlashError for tensors we cannot map."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name], gguf_name.split(".")[0]
     m = _BLOCK_RE.match(gguf_name)
     if m and m.group(2) in _BLOCK_NAMES and int(m.group(1)) < n_layers:
         return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.weight", m.group(2)
     if gguf_name.startswith("rope_freqs"):
-        raise ValueError(f"{path}: rope frequency scaling (tensor {gguf_name!r}) is not supported")
-    raise ValueError(f"{path}: unsupported tensor {gguf_name!r} for a plain Llama model")
+        raise DFlashError(f"{path}: rope frequency scaling (tensor {gguf_name!r}) is not supported")
+    raise DFlashError(f"{path}: unsupported tensor {gguf_name!r} for a plain Llama model with {n_layers} layers")
 
 
 def _f32_clean(x: float) -> float:
@@ -108,30 +158,34 @@ def _f32_clean(x: float) -> float:
 
 
 def _read_config(meta: _Meta, arch: str, path: Path) -> dict[str, Any]:
-    hidden = int(meta.need(f"{arch}.embedding_length"))
-    n_head = int(meta.need(f"{arch}.attention.head_count"))
-    n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_head))
-    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    hidden = meta.int(f"{arch}.embedding_length", lo=1, hi=_MAX_WIDTH)
+    n_head = meta.int(f"{arch}.attention.head_count", lo=1, hi=_MAX_HEADS)
+    n_kv = meta.int(f"{arch}.attention.head_count_kv", n_head, lo=1, hi=_MAX_HEADS)
+    if n_head % n_kv:
+        raise DFlashError(f"{path}: attention.head_count ({n_head}) is not a multiple of head_count_kv ({n_kv})")
+    head_dim = meta.int(f"{arch}.attention.key_length", hidden // n_head, lo=2, hi=_MAX_HEADS)
+    if head_dim % 2:
+        raise DFlashError(f"{path}: attention.key_length must be even, got {head_dim}")
+    rope_dim = meta.int(f"{arch}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
-        raise ValueError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim}) are not supported")
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ValueError(f"{path}: rope scaling type {scaling!r} is not supported")
-    tokens = meta.need("tokenizer.ggml.tokens")
+        raise DFlashError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim}) are not supported")
+    scaling = meta.str(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise DFlashError(f"{path}: rope scaling type {scaling!r} is not supported")
+    tokens = meta.list("tokenizer.ggml.tokens", str)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": hidden,
-        "intermediate_size": int(meta.need(f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(meta.need(f"{arch}.block_count")),
+        "intermediate_size": meta.int(f"{arch}.feed_forward_length", lo=1, hi=_MAX_WIDTH),
+        "num_hidden_layers": meta.int(f"{arch}.block_count", lo=1, hi=_MAX_LAYERS),
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
-        "rms_norm_eps": _f32_clean(meta.need(f"{arch}.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32_clean(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
-        "vocab_size": int(meta.get(f"{arch}.vocab_size", len(tokens))),
+        "rms_norm_eps": _f32_clean(meta.float(f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32_clean(meta.float(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": meta.int(f"{arch}.context_length", 2048, lo=1),
+        "vocab_size": meta.int(f"{arch}.vocab_size", len(tokens), lo=1, hi=_MAX_VOCAB),
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -141,18 +195,8 @@ def _read_config(meta: _Meta, arch: str, path: Path) -> dict[str, Any]:
     }
 
 
-def _convert_tensors(reader: Any, cfg: dict[str, Any], dtype: type, path: Path) -> dict[str, np.ndarray]:
-    from gguf.quants import dequantize
-
-    out: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        name, kind = _hf_name(t.name, cfg["num_hidden_layers"], path)
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if kind == "attn_q":
-            w = _unpermute(w, cfg["num_attention_heads"])
-        elif kind == "attn_k":
-            w = _unpermute(w, cfg["num_key_value_heads"])
-        out[name] = np.ascontiguousarray(w.astype(dtype, copy=False))
+def _expected_shapes(cfg: dict[str, Any], with_lm_head: bool) -> dict[str, tuple[int, ...]]:
+    """HF name -> numpy shape of every tensor a Llama of `cfg` has."""
     h, kvd = cfg["hidden_size"], cfg["num_key_value_heads"] * cfg["head_dim"]
     qd, ffn = cfg["num_attention_heads"] * cfg["head_dim"], cfg["intermediate_size"]
     expect = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
@@ -165,55 +209,98 @@ def _convert_tensors(reader: Any, cfg: dict[str, Any], dtype: type, path: Path) 
             p + "mlp.down_proj.weight": (h, ffn), p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         })
-    if "lm_head.weight" in out:
+    if with_lm_head:
         expect["lm_head.weight"] = (cfg["vocab_size"], h)
-    for name, shape in expect.items():
-        if name not in out:
-            raise ValueError(f"{path}: GGUF lacks the tensor that maps to {name!r}")
-        if out[name].shape != shape:
-            raise ValueError(f"{path}: tensor {name!r} has shape {out[name].shape}, expected {shape}")
+    return expect
+
+
+def _convert_tensors(reader: Any, cfg: dict[str, Any], dtype: type, path: Path) -> dict[str, np.ndarray]:
+    from gguf.quants import dequantize
+
+    # Names and shapes first (from the header alone): a GGUF declaring other or enormous
+    # tensors is refused before anything is dequantized.
+    mapped = [(t, *_hf_name(t.name, cfg["num_hidden_layers"], path)) for t in reader.tensors]
+    expect = _expected_shapes(cfg, any(name == "lm_head.weight" for _, name, _ in mapped))
+    for t, name, _ in mapped:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if shape != expect[name]:
+            raise DFlashError(f"{path}: tensor {t.name!r} ({name!r}) has shape {shape}, expected {expect[name]}")
+    missing = sorted(expect.keys() - {name for _, name, _ in mapped})
+    if missing:
+        raise DFlashError(f"{path}: GGUF lacks the tensor that maps to {missing[0]!r}")
+    out: dict[str, np.ndarray] = {}
+    for t, name, kind in mapped:
+        try:
+            with np.errstate(all="ignore"):  # a corrupt scale is reported below, not warned about
+                w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(expect[name])
+        except Exception as exc:  # unsupported quantization, data cut short
+            raise DFlashError(f"{path}: tensor {t.name!r} of type {getattr(t.tensor_type, 'name', t.tensor_type)} "
+                              f"cannot be dequantized ({type(exc).__name__}: {exc})") from None
+        if not np.isfinite(w).all():
+            raise DFlashError(f"{path}: tensor {t.name!r} holds NaN or infinite values")
+        if kind == "attn_q":
+            w = _unpermute(w, cfg["num_attention_heads"])
+        elif kind == "attn_k":
+            w = _unpermute(w, cfg["num_key_value_heads"])
+        out[name] = np.ascontiguousarray(w.astype(dtype, copy=False))
     return out
 
 
 def _build_tokenizer(meta: _Meta, path: Path) -> tuple[Any, dict[str, Any]]:
     """Rebuild the HF fast tokenizer; returns (tokenizers.Tokenizer, special-token info)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    kind = meta.need("tokenizer.ggml.model")
+    kind = meta.str("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"{path}: tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    tokens: list[str] = list(meta.need("tokenizer.ggml.tokens"))
-    types: list[int] = [int(x) for x in meta.get("tokenizer.ggml.token_type", [1] * len(tokens))]
-    merges = [tuple(m.split(" ", 1)) for m in meta.need("tokenizer.ggml.merges")]
+        raise DFlashError(f"{path}: tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
+    pre = meta.str("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_DIGITS_THEN_GPT2 and pre not in _PRE_GPT2:
+        raise DFlashError(f"{path}: pre-tokenizer {pre!r} is not supported")
+    tokens: list[str] = meta.list("tokenizer.ggml.tokens", str)
+    if not tokens or len(set(tokens)) != len(tokens):
+        raise DFlashError(f"{path}: tokenizer.ggml.tokens must be a non-empty list of distinct tokens")
+    types: list[int] = meta.list("tokenizer.ggml.token_type", int, [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise DFlashError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    merges = []
+    for m in meta.list("tokenizer.ggml.merges", str):
+        left, sep, right = m.partition(" ")
+        if not (sep and left and right):
+            raise DFlashError(f"{path}: tokenizer.ggml.merges entry {m[:40]!r} is not two tokens separated by a space")
+        merges.append((left, right))
+
+    def tok(key: str) -> tuple[str | None, int | None]:
+        i = meta.int(f"tokenizer.ggml.{key}", None, hi=len(tokens) - 1)
+        return (None, None) if i is None else (tokens[i], i)
+
+    (bos, bos_id), (eos, eos_id) = tok("bos_token_id"), tok("eos_token_id")
+    (unk, _), (pad, pad_id) = tok("unknown_token_id"), tok("padding_token_id")
+    info = {
+        "bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
+        "add_bos_token": meta.bool("tokenizer.ggml.add_bos_token", False),
+        "add_eos_token": meta.bool("tokenizer.ggml.add_eos_token", False),
+    }
+    try:
+        return _make_tokenizer(tokens, types, merges, pre, info), info
+    except Exception as exc:  # the tokenizers library refuses the vocabulary or merges
+        raise DFlashError(f"{path}: the GGUF's tokenizer cannot be rebuilt ({type(exc).__name__}: {exc})") from None
+
+
+def _make_tokenizer(tokens: list[str], types: list[int], merges: list[tuple[str, str]], pre: str,
+                    info: dict[str, Any]) -> Any:
+    """The byte-level BPE tokenizer of validated GGUF vocabulary, merges and special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if pre in _PRE_DIGITS_THEN_GPT2:
         tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre in _PRE_GPT2:
-        tk.pre_tokenizer = byte_level
     else:
-        raise ValueError(f"{path}: pre-tokenizer {pre!r} is not supported")
+        tk.pre_tokenizer = byte_level
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL])
     tk.add_tokens(
         [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED])
-
-    def tok(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
-
-    info = {
-        "bos_token": tok("bos_token_id"), "eos_token": tok("eos_token_id"),
-        "unk_token": tok("unknown_token_id"), "pad_token": tok("padding_token_id"),
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-    }
     single, specials = "$A:0", []
     for flag, key, before in (("add_bos_token", "bos", True), ("add_eos_token", "eos", False)):
         if info[flag] and info[f"{key}_token"] is not None:
@@ -223,7 +310,7 @@ def _build_tokenizer(meta: _Meta, path: Path) -> tuple[Any, dict[str, Any]]:
     if specials:
         tk.post_processor = processors.TemplateProcessing(
             single=single, pair=f"{single} {single.replace('$A', '$B').replace(':0', ':1')}", special_tokens=specials)
-    return tk, info
+    return tk
 
 
 def _sha256(path: Path) -> str:
@@ -261,9 +348,9 @@ def _write_model_dir(tmp: Path, gguf_path: Path, reader: Any, dtype: str) -> Non
     from safetensors.numpy import save_file
 
     meta = _Meta(reader, gguf_path)
-    arch = meta.need("general.architecture")
+    arch = meta.str("general.architecture")
     if arch != "llama":
-        raise ValueError(f"{gguf_path}: architecture {arch!r} is not supported (only 'llama')")
+        raise DFlashError(f"{gguf_path}: architecture {arch!r} is not supported (only 'llama')")
     cfg = _read_config(meta, arch, gguf_path)
     tk, info = _build_tokenizer(meta, gguf_path)
     weights = _convert_tensors(reader, cfg, _DTYPES[dtype], gguf_path)
@@ -288,7 +375,7 @@ def _write_model_dir(tmp: Path, gguf_path: Path, reader: Any, dtype: str) -> Non
         "clean_up_tokenization_spaces": False,
         "model_max_length": cfg["max_position_embeddings"],
     }
-    template = meta.get("tokenizer.chat_template")
+    template = meta.str("tokenizer.chat_template", None)
     if template:
         tok_cfg["chat_template"] = template
     _write_json(tmp / "tokenizer_config.json", tok_cfg)
@@ -303,8 +390,9 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
                  dtype: str = "float32", overwrite: bool = False) -> Path:
     """Convert `gguf_path` into an HF Llama directory at `out_dir` and return its path.
 
-    Raises ValueError for a missing/invalid GGUF or an unsupported model, and
-    FileExistsError if `out_dir` exists and is not empty (unless `overwrite`).
+    Raises ValueError for a missing GGUF path or a bad `dtype`, DFlashError for a GGUF whose
+    content is broken or describes an unsupported model, and FileExistsError if `out_dir`
+    exists and is not empty (unless `overwrite`).
     """
     src, dst = Path(gguf_path), Path(out_dir)
     if dtype not in _DTYPES:

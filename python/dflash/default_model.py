@@ -38,7 +38,7 @@ def cache_root() -> Path:
 def _is_complete(model_dir: Path) -> bool:
     try:
         marker = json.loads((model_dir / MARKER_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(marker, dict) and marker.get("format") == CONVERTER_FORMAT
 

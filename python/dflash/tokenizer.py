@@ -62,12 +62,16 @@ CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool", "developer
 
 
 def _read_json(path: pathlib.Path) -> Any:
-    """Parse a JSON model file; any failure is a broken model file."""
+    """Parse a JSON model file; any failure is a broken model file.
+
+    ValueError covers syntax errors, bytes that are not UTF-8 and integers beyond Python's digit
+    limit; RecursionError is JSON nested past the interpreter's recursion limit.
+    """
     try:
         with open(path, encoding="utf-8") as handle:
             return json.load(handle)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DFlashError(f"cannot read {path}: {exc}") from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        raise DFlashError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
 
 
 def _read_json_optional(path: pathlib.Path) -> dict[str, Any]:
@@ -129,7 +133,7 @@ def _added_token(value: Any, where: str) -> Any:
     if isinstance(value, Mapping):
         for key in ("lstrip", "rstrip", "single_word", "normalized"):
             if key in value:
-                flags[key] = bool(value[key])
+                flags[key] = _bool_field(value[key], f"{where}: special token flag {key!r}")
     return AddedToken(content, special=True, **flags)
 
 
@@ -147,13 +151,23 @@ def _named_special_tokens(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {key: cfg[key] for key in SPECIAL_TOKEN_KEYS if cfg.get(key) is not None}
 
 
-def _extra_special_tokens(cfg: Mapping[str, Any]) -> list[Any]:
+def _bool_field(value: Any, where: str) -> bool:
+    """A boolean config value; any other type is a broken file, not a truthy default."""
+    if not isinstance(value, bool):
+        raise DFlashError(f"{where} must be true or false, got {value!r:.80}")
+    return value
+
+
+def _extra_special_tokens(cfg: Mapping[str, Any], where: str) -> list[Any]:
     for key in _EXTRA_SPECIAL_KEYS:
         value = cfg.get(key)
+        if value is None:
+            continue
         if isinstance(value, Mapping):
             return list(value.values())
         if isinstance(value, (list, tuple)):
             return list(value)
+        raise DFlashError(f"{where}: {key} must be a list or an object, got {value!r:.80}")
     return []
 
 
@@ -243,13 +257,16 @@ def _templates_from_config(value: Any, where: str) -> dict[str, str]:
     if isinstance(value, str):
         return {"default": value}
     if isinstance(value, Mapping):
-        return {str(k): str(v) for k, v in value.items()}
+        if not all(isinstance(v, str) for v in value.values()):
+            raise DFlashError(f"{where}: chat_template must map names to template strings")
+        return {str(k): v for k, v in value.items()}
     if isinstance(value, list):
         out: dict[str, str] = {}
         for item in value:
-            if not (isinstance(item, Mapping) and isinstance(item.get("name"), str)):
-                raise DFlashError(f"{where}: malformed chat_template entry {item!r}")
-            out[item["name"]] = str(item.get("template", ""))
+            if not (isinstance(item, Mapping) and isinstance(item.get("name"), str)
+                    and isinstance(item.get("template", ""), str)):
+                raise DFlashError(f"{where}: malformed chat_template entry {item!r:.80}")
+            out[item["name"]] = item.get("template", "")
         return out
     raise DFlashError(f"{where}: chat_template must be a string or a list, got {type(value).__name__}")
 
@@ -484,7 +501,8 @@ class Tokenizer:
         special_map = _read_json_optional(model_dir / SPECIAL_TOKENS_MAP_FILE)
         cfg = _merged_special_config(tok_cfg, special_map)
         named_raw = _named_special_tokens(cfg)
-        _register_special_tokens(backend, [*named_raw.values(), *_extra_special_tokens(cfg)], str(cfg_path))
+        _register_special_tokens(backend, [*named_raw.values(), *_extra_special_tokens(cfg, str(cfg_path))],
+                                 str(cfg_path))
         named = {key: _token_content(value, str(cfg_path)) or "" for key, value in named_raw.items()}
         _override_bos_eos(backend, add_bos_token, add_eos_token, named.get("bos_token"), named.get("eos_token"))
         return cls(
@@ -492,7 +510,8 @@ class Tokenizer:
             special_tokens=named,
             chat_templates=_load_chat_templates(model_dir, tok_cfg),
             eos_token_ids=_collect_eos_ids(model_dir, backend, named.get("eos_token")),
-            clean_up_tokenization_spaces=bool(cfg.get("clean_up_tokenization_spaces", False)),
+            clean_up_tokenization_spaces=cfg.get("clean_up_tokenization_spaces") is not None
+            and _bool_field(cfg["clean_up_tokenization_spaces"], f"{cfg_path}: clean_up_tokenization_spaces"),
             source=str(model_dir),
         )
 
