@@ -55,6 +55,7 @@ def test_cmake_dir_holds_the_package():
 
     path = _installed_cmake_dir()
     assert path == dflash.cmake_dir()
+    assert dflash._core.__version__ == dflash.__version__  # the C++ library's version.h
     root = pathlib.Path(path).parents[2]  # .../dflash/lib/cmake/dflash -> .../dflash
     assert (root / "include" / "dflash" / "session.h").is_file()
     assert (root / "lib" / "libdflash.so").is_file()

@@ -38,14 +38,12 @@ class Session::Impl {
 
   std::vector<StepOutput> step() {
     DFLASH_ARG_CHECK(!in_step, "Session::step() was called from a stream callback");
-    in_step = true;
-    std::vector<StepOutput> outputs;
-    try {
-      outputs = core.step();
-    } catch (...) {
-      in_step = false;
-      throw;
-    }
+    struct InStep {
+      bool& flag;
+      explicit InStep(bool& f) : flag(f) { flag = true; }
+      ~InStep() { flag = false; }
+    } guard(in_step);
+    std::vector<StepOutput> outputs = core.step();
     std::exception_ptr failure;
     for (const StepOutput& out : outputs) {
       auto it = callbacks.find(out.request_id);
@@ -60,7 +58,6 @@ class Session::Impl {
         if (!out.finished) core.abort(out.request_id);
       }
     }
-    in_step = false;
     if (failure) std::rethrow_exception(failure);
     return outputs;
   }

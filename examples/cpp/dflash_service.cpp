@@ -153,7 +153,9 @@ class Service {
     if (line.find_first_not_of(" \t\r") == std::string::npos) return;
     Json j = Json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded() || !j.is_object()) return emit_error(nullptr, "not a JSON object: " + line);
-    if (!j.contains("id") || !j["id"].is_string()) return emit_error(j.value("id", Json()), "missing string field 'id'");
+    if (!j.contains("id") || !j["id"].is_string()) {
+      return emit_error(j.value("id", Json()), "missing string field 'id'");
+    }
     const std::string id = j["id"].get<std::string>();
     try {
       if (field<bool>(j, "abort", false)) {

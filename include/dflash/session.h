@@ -104,8 +104,10 @@ struct ModelInfo {
 
 // A request's stream: called with what each step produced for it; the last call has
 // finished = true (also for an abort). It may call take_result() for that request on its last
-// call, and abort() or add_request() at any time. If it throws, its request is aborted and the
-// exception is rethrown by step() once the step's other callbacks have run.
+// call, and abort() or add_request() at any time, but not step(). If it throws inside step(), its
+// request is aborted (without a further call) and the exception is rethrown by step() once the
+// step's other callbacks have run; thrown from its last call inside abort(), it leaves abort()
+// (the request is aborted all the same).
 using StreamCallback = std::function<void(const StepOutput&)>;
 
 // Whether this build has the CUDA backend, and whether it can run here (a Hopper GPU).

@@ -7,15 +7,12 @@
 
 #include "common/error.h"
 #include "kv_cache/block_allocator.h"
+#include "test_files.h"
 
 namespace dflash {
 namespace {
 
-std::vector<int32_t> tokens_of_block(int32_t first, int64_t n) {
-  std::vector<int32_t> t(n);
-  for (int64_t i = 0; i < n; ++i) t[i] = first + static_cast<int32_t>(i);
-  return t;
-}
+using dflash_test::token_range;
 
 TEST(BlockAllocator, HandsOutEveryBlockOnceAndTakesThemBack) {
   BlockAllocator a(8);
@@ -68,7 +65,7 @@ TEST(BlockAllocator, WithoutPrefixCachingNothingIsCached) {
   BlockAllocator a(4, /*prefix_caching=*/false);
   std::vector<int32_t> got;
   a.allocate(1, &got);
-  const std::vector<int32_t> t = tokens_of_block(10, 4);
+  const std::vector<int32_t> t = token_range(10, 4);
   const uint64_t h = prefix_block_hash(kPrefixHashRoot, t.data(), 4);
   a.cache(got[0], h, kPrefixHashRoot, t.data(), 4);
   EXPECT_FALSE(a.is_cached(got[0]));
@@ -84,7 +81,7 @@ TEST(BlockAllocator, CachedBlocksStayFindableAndAreEvictedLeastRecentlyUsedFirst
   std::vector<uint64_t> hashes;
   std::vector<std::vector<int32_t>> toks;
   for (int i = 0; i < 2; ++i) {  // blocks b[0] and b[1] hold two different prefixes
-    toks.push_back(tokens_of_block(100 * (i + 1), 4));
+    toks.push_back(token_range(100 * (i + 1), 4));
     hashes.push_back(prefix_block_hash(kPrefixHashRoot, toks[i].data(), 4));
     a.cache(b[i], hashes[i], kPrefixHashRoot, toks[i].data(), 4);
   }
@@ -122,7 +119,7 @@ TEST(BlockAllocator, SecondBlockWithTheSameHashIsNotCached) {
   BlockAllocator a(2, true);
   std::vector<int32_t> b;
   a.allocate(2, &b);
-  const std::vector<int32_t> t = tokens_of_block(5, 4);
+  const std::vector<int32_t> t = token_range(5, 4);
   const uint64_t h = prefix_block_hash(kPrefixHashRoot, t.data(), 4);
   a.cache(b[0], h, kPrefixHashRoot, t.data(), 4);
   a.cache(b[1], h, kPrefixHashRoot, t.data(), 4);  // two requests computed the same prefix
@@ -169,7 +166,7 @@ TEST(BlockTable, ReleaseReturnsTheTailFirst) {
   uint64_t parent = kPrefixHashRoot;
   std::vector<std::vector<int32_t>> toks;
   for (int k = 0; k < 3; ++k) {
-    toks.push_back(tokens_of_block(10 * k, 2));
+    toks.push_back(token_range(10 * k, 2));
     const uint64_t h = prefix_block_hash(parent, toks[k].data(), 2);
     a.cache(t.blocks()[k], h, parent, toks[k].data(), 2);
     t.push_hash(h);

@@ -76,7 +76,8 @@ TEST_F(SafetensorsFiles, OpensSingleFileAndShardedCheckpoints) {
   EXPECT_THROW(one.get("x"), Error);
 
   dflash_test::write_safetensors(sharded + "/model-00001-of-00002.safetensors", {make_tensor("w", {2, 3}, kValues)});
-  dflash_test::write_safetensors(sharded + "/model-00002-of-00002.safetensors", {make_tensor("v", {6}, kValues, "BF16")});
+  dflash_test::write_safetensors(sharded + "/model-00002-of-00002.safetensors",
+                                 {make_tensor("v", {6}, kValues, "BF16")});
   dflash_test::write_text(sharded + "/model.safetensors.index.json",
                           R"({"metadata": {}, "weight_map": {"w": "model-00001-of-00002.safetensors",
                               "v": "model-00002-of-00002.safetensors"}})");

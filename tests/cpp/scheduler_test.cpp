@@ -9,15 +9,12 @@
 
 #include "common/error.h"
 #include "runtime/scheduler.h"
+#include "test_files.h"
 
 namespace dflash {
 namespace {
 
-std::vector<int32_t> iota_tokens(int32_t first, int64_t n) {
-  std::vector<int32_t> t(n);
-  for (int64_t i = 0; i < n; ++i) t[i] = first + static_cast<int32_t>(i);
-  return t;
-}
+using dflash_test::token_range;
 
 class Harness {
  public:
@@ -77,9 +74,9 @@ SchedulerConfig config(int64_t block_size, int64_t max_num_seqs, int64_t budget,
 
 TEST(Scheduler, AdmitsFirstComeFirstServedUpToMaxNumSeqs) {
   Harness h(64, config(4, 2, 1024));
-  Request* a = h.add(iota_tokens(0, 5), 3);
-  Request* b = h.add(iota_tokens(10, 5), 1);
-  Request* c = h.add(iota_tokens(20, 5), 2);
+  Request* a = h.add(token_range(0, 5), 3);
+  Request* b = h.add(token_range(10, 5), 1);
+  Request* c = h.add(token_range(20, 5), 2);
   Schedule s = h.step();
   ASSERT_EQ(s.prefill.size(), 2u);
   EXPECT_EQ(s.prefill[0].req, a);
@@ -106,9 +103,9 @@ TEST(Scheduler, AdmitsFirstComeFirstServedUpToMaxNumSeqs) {
 TEST(Scheduler, AdmitsOnlyWhatTheFreeBlocksHold) {
   // 4 blocks of 4 slots. A prompt of 7 needs 8 slots (its first decode step writes one more).
   Harness h(4, config(4, 8, 1024));
-  h.add(iota_tokens(0, 7), 4);
-  h.add(iota_tokens(10, 7), 4);
-  Request* c = h.add(iota_tokens(20, 3), 1);
+  h.add(token_range(0, 7), 4);
+  h.add(token_range(10, 7), 4);
+  Request* c = h.add(token_range(20, 3), 1);
   Schedule s = h.step();
   EXPECT_EQ(s.prefill.size(), 2u);
   EXPECT_EQ(h.alloc.num_free(), 0);
@@ -121,7 +118,7 @@ TEST(Scheduler, AdmitsOnlyWhatTheFreeBlocksHold) {
 
 TEST(Scheduler, ChunksLongPrefillsUnderTheTokenBudget) {
   Harness h(64, config(4, 8, 4));
-  Request* a = h.add(iota_tokens(0, 10), 2);
+  Request* a = h.add(token_range(0, 10), 2);
   std::vector<int64_t> chunks;
   while (a->prefilling() || a->output.empty()) {
     Schedule s = h.step();
@@ -135,8 +132,8 @@ TEST(Scheduler, ChunksLongPrefillsUnderTheTokenBudget) {
 
 TEST(Scheduler, WithoutChunkingAPrefillRunsWholeAndOthersWait) {
   Harness h(64, config(4, 8, 4, /*chunked=*/false));
-  Request* a = h.add(iota_tokens(0, 10), 2);  // longer than the budget: alone, as the first prefill
-  Request* b = h.add(iota_tokens(20, 3), 2);
+  Request* a = h.add(token_range(0, 10), 2);  // longer than the budget: alone, as the first prefill
+  Request* b = h.add(token_range(20, 3), 2);
   Schedule s = h.step();
   ASSERT_EQ(s.prefill.size(), 1u);
   EXPECT_EQ(s.prefill[0].req, a);
@@ -152,8 +149,8 @@ TEST(Scheduler, WithoutChunkingAPrefillRunsWholeAndOthersWait) {
 TEST(Scheduler, PreemptsTheNewestRequestWhenBlocksRunOutAndRecomputesIt) {
   // 4 blocks of 2 slots: two prompts of 3 take 2 blocks each; growing the older one preempts the newer.
   Harness h(4, config(2, 8, 1024));
-  Request* a = h.add(iota_tokens(0, 3), 4);
-  Request* b = h.add(iota_tokens(10, 3), 3);
+  Request* a = h.add(token_range(0, 3), 4);
+  Request* b = h.add(token_range(10, 3), 3);
   h.step();  // both prefilled (3 slots + 1 for the next step: 2 blocks each)
   EXPECT_EQ(h.alloc.num_free(), 0);
   Schedule s = h.step();  // both decode within their blocks
@@ -187,8 +184,8 @@ TEST(Scheduler, PreemptsTheNewestRequestWhenBlocksRunOutAndRecomputesIt) {
 
 TEST(Scheduler, AbortEndsWaitingAndRunningRequestsAndFreesTheirBlocks) {
   Harness h(8, config(4, 1, 1024));
-  Request* a = h.add(iota_tokens(0, 5), 10);
-  Request* b = h.add(iota_tokens(10, 5), 10);
+  Request* a = h.add(token_range(0, 5), 10);
+  Request* b = h.add(token_range(10, 5), 10);
   h.step();
   EXPECT_LT(h.alloc.num_free(), 8);
   EXPECT_TRUE(h.sched.abort(b->id));  // waiting
@@ -207,12 +204,12 @@ TEST(Scheduler, AbortEndsWaitingAndRunningRequestsAndFreesTheirBlocks) {
 
 TEST(Scheduler, SharesCachedPrefixBlocksOnAdmission) {
   Harness h(16, config(4, 8, 1024), /*prefix_caching=*/true);
-  Request* a = h.add(iota_tokens(0, 9), 1);
+  Request* a = h.add(token_range(0, 9), 1);
   h.step();  // a finishes with its first token; its two full blocks stay cached
   ASSERT_EQ(a->status, RequestStatus::kFinished);
   EXPECT_EQ(h.alloc.num_cached(), 2);
   EXPECT_EQ(h.alloc.num_free(), 16);
-  std::vector<int32_t> prompt = iota_tokens(0, 8);
+  std::vector<int32_t> prompt = token_range(0, 8);
   prompt.push_back(77);
   prompt.push_back(78);
   Request* b = h.add(prompt, 2);
@@ -236,9 +233,9 @@ TEST(Scheduler, SharesCachedPrefixBlocksOnAdmission) {
 
 TEST(Scheduler, APrefillOfWholeBlocksComputesItsLastBlock) {
   Harness h(16, config(4, 8, 1024), true);
-  h.add(iota_tokens(0, 8), 1);
+  h.add(token_range(0, 8), 1);
   h.step();
-  Request* b = h.add(iota_tokens(0, 8), 1);
+  Request* b = h.add(token_range(0, 8), 1);
   Schedule s = h.step();
   ASSERT_EQ(s.prefill.size(), 1u);
   EXPECT_EQ(b->metrics.num_cached_tokens, 4);  // at most N - 1 of N full blocks match

@@ -127,6 +127,12 @@ void write_tiny_llama(const std::string& dir, const TinyLlama& m) {
   write_text(dir + "/config.json", c.str());
 }
 
+std::vector<int32_t> token_range(int32_t first, int64_t n) {
+  std::vector<int32_t> t(n);
+  for (int64_t i = 0; i < n; ++i) t[i] = first + static_cast<int32_t>(i);
+  return t;
+}
+
 std::string make_temp_dir(const std::string& tag) {
   std::string tmpl = (std::filesystem::temp_directory_path() / ("dflash-" + tag + "-XXXXXX")).string();
   if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + tmpl);

@@ -1,6 +1,6 @@
-// Files the C++ tests write: safetensors files (F32 / F16 / BF16 tensors written from floats) and
-// a tiny random Llama model directory (config.json + model.safetensors) that the runtime loads.
-// Standard C++ only: the public API tests use it without the runtime's headers.
+// What the C++ tests share: the files they write (safetensors files of F32 / F16 / BF16 tensors
+// written from floats, a tiny random Llama model directory that the runtime loads) and token id
+// ranges. Standard C++ only: the public API tests use it without the runtime's headers.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +38,9 @@ struct TinyLlama {
 };
 // A LlamaForCausalLM directory with random fp32 weights (head_dim = hidden / heads).
 void write_tiny_llama(const std::string& dir, const TinyLlama& model = TinyLlama());
+
+// Token ids first, first + 1, ..., first + n - 1.
+std::vector<int32_t> token_range(int32_t first, int64_t n);
 
 // A new empty directory under the system's temporary directory.
 std::string make_temp_dir(const std::string& tag);
