@@ -83,7 +83,8 @@ class Session {
   bool has_unfinished() const { return engine_->has_unfinished(); }
   // Moves a finished request's result out; throws InvalidArgument if it is not finished.
   RequestResult take_result(int64_t id);
-  // Runs the given requests to completion (C++ convenience; Python drives step() itself).
+  // Runs the given requests to completion (the bindings' generate of debug inputs; the public
+  // dflash::Session::generate adds its own requests).
   std::vector<RequestResult> generate(std::vector<RequestInput> inputs);
   int64_t max_model_len() const { return max_model_len_; }
   SessionStats stats() const;
