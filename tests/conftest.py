@@ -11,6 +11,8 @@
 #   eval mode, cached per directory.
 # * `long_context_model`: the llama_gqa geometry with 8192 positions (the
 #   server tests keep requests running long enough to disconnect them).
+# * `cpp_build_root`: one directory for the C++ builds of a test session (the
+#   ctest suite and the example service, tests/cmake_helpers.py).
 #
 # Nothing here imports the compiled dflash extension, so tests that do not
 # need it still collect when it has not been built.
@@ -68,6 +70,12 @@ def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path
     from tests.serve_helpers import write_long_context_model
 
     return write_long_context_model(tmp_path_factory.mktemp("long_context") / "long")
+
+
+@pytest.fixture(scope="session")
+def cpp_build_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The build directories of the C++ tests (one per CMake project under it)."""
+    return tmp_path_factory.mktemp("cpp_build")
 
 
 @pytest.fixture(scope="session")

@@ -137,7 +137,8 @@ def test_generated_code_compiles(generated):
     if cxx is None or not (cuda_home / "include" / "cuda.h").exists():
         pytest.skip("no C++ compiler or CUDA headers")
     cmd = [cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
-           f"-I{REPO}", f"-I{REPO / 'cpp'}", f"-I{generated}", f"-I{cuda_home / 'include'}"]
+           f"-I{REPO}", f"-I{REPO / 'cpp'}", f"-I{REPO / 'include'}", f"-I{generated}",
+           f"-I{cuda_home / 'include'}"]
     for source in (generated / "triton_kernels_gen.cpp",
                    REPO / "triton_kernels" / "triton_attention.cpp",
                    REPO / "triton_kernels" / "lattice_walk.cpp",

@@ -2,7 +2,7 @@
 // safetensors reader, the target and drafter config parsers and the target's tensor-set check,
 // each on its own (no backend, no weights uploaded), so tests and the loader fuzzer
 // (bench/fuzz_loaders.py) can feed them thousands of hostile inputs cheaply. Errors map as
-// everywhere: dflash::Error -> dflash.DFlashError, dflash::InvalidArgument -> ValueError.
+// everywhere: dflash::InvalidArgument -> ValueError, every other dflash::Exception -> dflash.DFlashError.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -67,6 +67,20 @@ nb::dict draft_config_parse(const nb::bytes& text, const std::string& what) {
 
 void bind_loader_testing(nb::module_& testing) {
   testing.attr("JSON_MAX_DEPTH") = kJsonMaxDepth;
+  // The parsed target config as the parser left it (the public API shows ModelInfo instead).
+  nb::class_<ModelConfig>(testing, "ModelConfig")
+      .def_ro("arch_name", &ModelConfig::arch_name)
+      .def_ro("hidden_size", &ModelConfig::hidden_size)
+      .def_ro("intermediate_size", &ModelConfig::intermediate_size)
+      .def_ro("num_layers", &ModelConfig::num_layers)
+      .def_ro("num_heads", &ModelConfig::num_heads)
+      .def_ro("num_kv_heads", &ModelConfig::num_kv_heads)
+      .def_ro("head_dim", &ModelConfig::head_dim)
+      .def_ro("vocab_size", &ModelConfig::vocab_size)
+      .def_ro("max_position_embeddings", &ModelConfig::max_position_embeddings)
+      .def_ro("eos_token_ids", &ModelConfig::eos_token_ids)
+      .def_ro("bos_token_id", &ModelConfig::bos_token_id)
+      .def_ro("tie_word_embeddings", &ModelConfig::tie_word_embeddings);
   testing.def("json_parse", [](const nb::bytes& text, const std::string& what) {
     return json_parse(bytes_str(text), what).dump();
   }, "text"_a, "what"_a = "json", "The JSON reader on `text` (bytes): the value as compact JSON.");

@@ -1,7 +1,9 @@
-// dflash._core: the nanobind module, the only file that includes nanobind. Binds Session
-// (token ids in, token ids out), its config, sampling config, step outputs and results.
-// The GIL is released while C++ runs. dflash::Error maps to dflash.DFlashError and
-// dflash::InvalidArgument to ValueError.
+// dflash._core: the nanobind module, the only file that includes nanobind. Binds the public
+// dflash::Session (include/dflash/session.h: token ids in, token ids out), its options, sampling
+// parameters, step outputs and stats, plus the runtime's test hooks through api/session_access.h
+// (debug request inputs, results with recordings, propose, block reference counts) and the
+// test-only `testing` submodule. The GIL is released while C++ runs. dflash::InvalidArgument maps
+// to ValueError, every other dflash::Exception to dflash.DFlashError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -11,9 +13,10 @@
 #include <algorithm>
 #include <cstring>
 
+#include "api/session_access.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/host_fp8.h"
-#include "runtime/session.h"
+#include "dflash/session.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -44,6 +47,12 @@ void raise_error(PyObject* type, const char* msg) {
   PyErr_SetObject(type, text);
   Py_DECREF(text);
 }
+
+// _core.SessionConfig: the public options with the runtime's test hooks; the device defaults to
+// the CPU (dflash.Session resolves "auto" itself).
+struct CoreConfig : SessionOptions, detail::SessionHooks {
+  CoreConfig() { device = "cpu"; }
+};
 
 // Copies a float vector into a new numpy array of shape [rows, cols].
 nb::object to_numpy_2d(const std::vector<float>& v, int64_t cols) {
@@ -229,12 +238,13 @@ NB_MODULE(_core, m) {
       std::rethrow_exception(p);
     } catch (const InvalidArgument& e) {
       raise_error(PyExc_ValueError, e.what());
-    } catch (const Error& e) {
+    } catch (const Exception& e) {
       raise_error(dflash_error.ptr(), e.what());
     }
   });
-  m.def("built_with_cuda", &backend_built_with_cuda);
-  m.def("cuda_usable", &backend_cuda_usable, "This build has the CUDA backend and a Hopper GPU is usable.");
+  m.def("built_with_cuda", &built_with_cuda);
+  m.def("cuda_usable", &cuda_usable, "This build has the CUDA backend and a Hopper GPU is usable.");
+  m.attr("__version__") = version();
 
   // Test-only access to pieces of the runtime (not public API).
   nb::module_ testing = m.def_submodule("testing", "Test access to runtime internals");
@@ -342,30 +352,30 @@ NB_MODULE(_core, m) {
   bind_triton_testing(testing);
 #endif
 
-  nb::class_<SessionConfig>(m, "SessionConfig")
+  nb::class_<CoreConfig>(m, "SessionConfig")
       .def(nb::init<>())
-      .def_rw("device", &SessionConfig::device)
-      .def_rw("max_model_len", &SessionConfig::max_model_len)
-      .def_rw("kv_cache_tokens", &SessionConfig::kv_cache_tokens)
-      .def_rw("block_size", &SessionConfig::block_size)
-      .def_rw("max_num_seqs", &SessionConfig::max_num_seqs)
-      .def_rw("max_num_batched_tokens", &SessionConfig::max_num_batched_tokens)
-      .def_rw("enable_chunked_prefill", &SessionConfig::enable_chunked_prefill)
-      .def_rw("enable_prefix_caching", &SessionConfig::enable_prefix_caching)
-      .def_rw("num_threads", &SessionConfig::num_threads)
-      .def_rw("tap_layers", &SessionConfig::tap_layers)
-      .def_rw("draft_dir", &SessionConfig::draft_dir)
-      .def_rw("num_speculative_tokens", &SessionConfig::num_speculative_tokens)
-      .def_rw("gpu_memory_utilization", &SessionConfig::gpu_memory_utilization)
-      .def_rw("cuda_graphs", &SessionConfig::cuda_graphs)
-      .def_rw("async_decode", &SessionConfig::async_decode)
-      .def_rw("draft_sampling", &SessionConfig::draft_sampling)
-      .def_rw("draft_head", &SessionConfig::draft_head)
-      .def_rw("pad_decode_batches", &SessionConfig::pad_decode_batches)
-      .def_rw("speculation", &SessionConfig::speculation)
-      .def_rw("draft_lengths", &SessionConfig::draft_lengths)
-      .def_rw("spec_cost_table", &SessionConfig::spec_cost_table)
-      .def_rw("spec_length_schedule", &SessionConfig::spec_length_schedule);
+      .def_rw("device", &SessionOptions::device)
+      .def_rw("max_model_len", &SessionOptions::max_model_len)
+      .def_rw("kv_cache_tokens", &SessionOptions::kv_cache_tokens)
+      .def_rw("block_size", &SessionOptions::block_size)
+      .def_rw("max_num_seqs", &SessionOptions::max_num_seqs)
+      .def_rw("max_num_batched_tokens", &SessionOptions::max_num_batched_tokens)
+      .def_rw("enable_chunked_prefill", &SessionOptions::enable_chunked_prefill)
+      .def_rw("enable_prefix_caching", &SessionOptions::enable_prefix_caching)
+      .def_rw("num_threads", &SessionOptions::num_threads)
+      .def_rw("draft_dir", &SessionOptions::draft_dir)
+      .def_rw("num_speculative_tokens", &SessionOptions::num_speculative_tokens)
+      .def_rw("gpu_memory_utilization", &SessionOptions::gpu_memory_utilization)
+      .def_rw("cuda_graphs", &SessionOptions::cuda_graphs)
+      .def_rw("async_decode", &SessionOptions::async_decode)
+      .def_rw("draft_sampling", &SessionOptions::draft_sampling)
+      .def_rw("draft_head", &SessionOptions::draft_head)
+      .def_rw("speculation", &SessionOptions::speculation)
+      .def_rw("draft_lengths", &SessionOptions::draft_lengths)
+      .def_rw("spec_cost_table", &SessionOptions::spec_cost_table)
+      .def_rw("tap_layers", &detail::SessionHooks::tap_layers)
+      .def_rw("pad_decode_batches", &detail::SessionHooks::pad_decode_batches)
+      .def_rw("spec_length_schedule", &detail::SessionHooks::spec_length_schedule);
 
   nb::class_<SamplingConfig>(m, "SamplingConfig")
       .def(nb::init<>())
@@ -409,6 +419,7 @@ NB_MODULE(_core, m) {
       .def_ro("num_cached_tokens", &RequestMetrics::num_cached_tokens)
       .def_prop_ro("acceptance_length", &RequestMetrics::acceptance_length);
 
+  using runtime::RequestResult;
   nb::class_<RequestResult>(m, "RequestResult")
       .def_ro("request_id", &RequestResult::request_id)
       .def_ro("prompt", &RequestResult::prompt)
@@ -456,6 +467,8 @@ NB_MODULE(_core, m) {
       .def_ro("block_size", &SessionStats::block_size)
       .def_ro("num_blocks", &SessionStats::num_blocks)
       .def_ro("num_free_blocks", &SessionStats::num_free_blocks)
+      .def_ro("num_running_requests", &SessionStats::num_running_requests)
+      .def_ro("num_waiting_requests", &SessionStats::num_waiting_requests)
       .def_ro("prefix_caching", &SessionStats::prefix_caching)
       .def_ro("num_cached_blocks", &SessionStats::num_cached_blocks)
       .def_ro("num_evictable_blocks", &SessionStats::num_evictable_blocks)
@@ -474,50 +487,51 @@ NB_MODULE(_core, m) {
       .def_ro("graph_capture_s", &SessionStats::graph_capture_s)
       .def_ro("speculation", &SessionStats::speculation)
       .def_ro("draft_lengths", &SessionStats::draft_lengths)
-      .def_prop_ro("spec_cost_batch_sizes", [](const SessionStats& s) { return s.spec_costs.batch_sizes; })
-      .def_prop_ro("spec_cost_lengths", [](const SessionStats& s) { return s.spec_costs.lengths; })
-      .def_prop_ro("spec_cost_seconds", [](const SessionStats& s) {  // [batch sizes][lengths]
-        std::vector<std::vector<double>> rows;
-        const size_t n = s.spec_costs.lengths.size();
-        for (size_t i = 0; i < s.spec_costs.batch_sizes.size(); ++i) {
-          rows.emplace_back(s.spec_costs.seconds.begin() + i * n, s.spec_costs.seconds.begin() + (i + 1) * n);
-        }
-        return rows;
-      })
+      .def_ro("spec_cost_batch_sizes", &SessionStats::spec_cost_batch_sizes)
+      .def_ro("spec_cost_lengths", &SessionStats::spec_cost_lengths)
+      .def_ro("spec_cost_seconds", &SessionStats::spec_cost_seconds)  // [batch sizes][lengths]
       .def_ro("engine", &SessionStats::engine);
 
-  nb::class_<ModelConfig>(m, "ModelConfig")
-      .def_ro("arch_name", &ModelConfig::arch_name)
-      .def_ro("hidden_size", &ModelConfig::hidden_size)
-      .def_ro("num_layers", &ModelConfig::num_layers)
-      .def_ro("num_heads", &ModelConfig::num_heads)
-      .def_ro("num_kv_heads", &ModelConfig::num_kv_heads)
-      .def_ro("head_dim", &ModelConfig::head_dim)
-      .def_ro("vocab_size", &ModelConfig::vocab_size)
-      .def_ro("max_position_embeddings", &ModelConfig::max_position_embeddings)
-      .def_ro("eos_token_ids", &ModelConfig::eos_token_ids)
-      .def_ro("tie_word_embeddings", &ModelConfig::tie_word_embeddings);
+  nb::class_<ModelInfo>(m, "ModelInfo")
+      .def_ro("architecture", &ModelInfo::architecture)
+      .def_ro("vocab_size", &ModelInfo::vocab_size)
+      .def_ro("hidden_size", &ModelInfo::hidden_size)
+      .def_ro("num_layers", &ModelInfo::num_layers)
+      .def_ro("num_heads", &ModelInfo::num_heads)
+      .def_ro("num_kv_heads", &ModelInfo::num_kv_heads)
+      .def_ro("head_dim", &ModelInfo::head_dim)
+      .def_ro("max_position_embeddings", &ModelInfo::max_position_embeddings)
+      .def_ro("max_model_len", &ModelInfo::max_model_len)
+      .def_ro("eos_token_ids", &ModelInfo::eos_token_ids)
+      .def_ro("bos_token_id", &ModelInfo::bos_token_id)
+      .def_ro("tie_word_embeddings", &ModelInfo::tie_word_embeddings);
 
+  using detail::SessionAccess;
   nb::class_<Session>(m, "Session")
-      .def(nb::init<const std::string&, const SessionConfig&>(), "model_dir"_a, "config"_a,
-           nb::call_guard<nb::gil_scoped_release>())
-      .def_prop_ro("model_config", &Session::model_config, nb::rv_policy::reference_internal)
-      .def("add_request", &Session::add_request, "input"_a,
-           nb::call_guard<nb::gil_scoped_release>())
+      .def("__init__", [](Session* self, const std::string& model_dir, const CoreConfig& config) {
+        new (self) Session(SessionAccess::open(model_dir, config, config));
+      }, "model_dir"_a, "config"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("model_config", &Session::model_info, nb::rv_policy::reference_internal)
+      .def("add_request", [](Session& s, RequestInput input) {
+        return SessionAccess::add_request(s, std::move(input));
+      }, "input"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("step", &Session::step, nb::call_guard<nb::gil_scoped_release>())
       .def("abort", &Session::abort, "request_id"_a)
       .def("has_unfinished", &Session::has_unfinished)
-      .def("take_result", &Session::take_result, "request_id"_a)
-      .def("generate", &Session::generate, "inputs"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("take_result", &SessionAccess::take_result, "request_id"_a,
+           "The finished request's result with its recordings (moved out of the session).")
+      .def("generate", [](Session& s, std::vector<RequestInput> inputs) {
+        return SessionAccess::core(s).generate(std::move(inputs));
+      }, "inputs"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("stats", &Session::stats)
-      .def("block_ref_counts", &Session::block_ref_counts,
+      .def("block_ref_counts", [](const Session& s) { return SessionAccess::core(s).block_ref_counts(); },
            "Test hook: the reference count of every KV block (block tables holding it).")
       .def("propose", [](Session& s, const std::vector<int32_t>& prompt) {
         std::vector<int32_t> drafts;
         std::vector<float> logits;
         {
           nb::gil_scoped_release release;
-          s.propose(prompt, &drafts, &logits);
+          SessionAccess::core(s).propose(prompt, &drafts, &logits);
         }
         const int64_t n = static_cast<int64_t>(drafts.size());
         int32_t* ids = new int32_t[n ? n : 1];
@@ -525,7 +539,7 @@ NB_MODULE(_core, m) {
         nb::capsule owner(ids, [](void* p) noexcept { delete[] static_cast<int32_t*>(p); });
         size_t shape[1] = {static_cast<size_t>(n)};
         nb::object id_arr = nb::cast(nb::ndarray<nb::numpy, int32_t, nb::ndim<1>>(ids, 1, shape, owner));
-        return nb::make_tuple(id_arr, to_numpy_2d(logits, s.model_config().vocab_size));
+        return nb::make_tuple(id_arr, to_numpy_2d(logits, s.model_info().vocab_size));
       }, "prompt"_a, "Prefill + context update + one draft step: (draft ids [n], draft logits [n, vocab]).")
       .def("propose_details", [](Session& s, const std::vector<int32_t>& prompt) {
         std::vector<int32_t> drafts;
@@ -533,11 +547,11 @@ NB_MODULE(_core, m) {
         Engine::ProposeDetails d;
         {
           nb::gil_scoped_release release;
-          s.propose(prompt, &drafts, &logits, &d);
+          SessionAccess::core(s).propose(prompt, &drafts, &logits, &d);
         }
         nb::dict out;
         out["draft_ids"] = nb::cast(drafts);
-        out["draft_logits"] = to_numpy_2d(logits, s.model_config().vocab_size);
+        out["draft_logits"] = to_numpy_2d(logits, s.model_info().vocab_size);
         out["k"] = d.k;
         if (d.k > 0) {
           out["candidate_ids"] = nb::cast(d.cand_ids);

@@ -1,25 +1,16 @@
-// The one error type of the runtime and the checks that raise it.
+// The checks that raise the runtime's exceptions (the public ones of include/dflash/errors.h):
 // dflash::Error is for broken files and internal failures (Python: dflash.DFlashError);
 // dflash::InvalidArgument is for caller mistakes (Python: ValueError).
 #pragma once
 
 #include <cstdio>
 #include <sstream>
-#include <stdexcept>
 #include <string>
 #include <type_traits>
 
+#include "dflash/errors.h"
+
 namespace dflash {
-
-class Error : public std::runtime_error {
- public:
-  explicit Error(const std::string& msg) : std::runtime_error(msg) {}
-};
-
-class InvalidArgument : public std::invalid_argument {
- public:
-  explicit InvalidArgument(const std::string& msg) : std::invalid_argument(msg) {}
-};
 
 namespace detail {
 // Numbers are formatted without the stream's locale facets (std::to_string / snprintf): a

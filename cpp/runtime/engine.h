@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "dflash/stats.h"
 #include "model/drafter.h"
 #include "model/transformer.h"
 #include "runtime/decode_program.h"
@@ -20,41 +21,6 @@
 #include "runtime/spec_policy.h"
 
 namespace dflash {
-
-struct EngineStats {
-  int64_t num_steps = 0;
-  int64_t num_forward_tokens = 0;
-  int64_t num_generated_tokens = 0;
-  int64_t num_requests_finished = 0;
-  // Speculative decoding, summed over requests.
-  int64_t num_spec_steps = 0;
-  int64_t num_drafted = 0;
-  int64_t num_accepted = 0;
-  int64_t num_spec_emitted = 0;
-  std::vector<int64_t> accepted_per_position;
-  // Wall time of the phases of draft-verify decode steps (seconds; measured in eager mode
-  // only, where the backend is synchronised between phases), and of whole decode steps.
-  double time_draft_s = 0.0, time_verify_s = 0.0, time_accept_s = 0.0, time_context_s = 0.0;
-  double time_decode_s = 0.0;
-  // How decode steps ran: replays of captured CUDA graphs, eager decode programs (graphs off, or
-  // the CPU), eager ragged forwards (prefills, and decode rows that record taps).
-  int64_t num_graph_steps = 0;
-  int64_t num_eager_decode_steps = 0;
-  int64_t num_eager_forwards = 0;
-  // Pipelined AR decode: steps launched ahead of their predecessor's outputs, and the rows of
-  // such steps dropped because their request had ended.
-  int64_t num_pipelined_steps = 0;
-  int64_t num_dropped_rows = 0;
-  // Scheduling: requests preempted (their KV freed, recomputed on re-admission), and prefill
-  // chunks run (a prompt prefilled in one go counts one; each recompute counts too).
-  int64_t num_preemptions = 0;
-  int64_t num_prefill_chunks = 0;
-  // Speculative decode steps by the draft length they ran with ([num_spec_tokens + 1]; with
-  // fixed speculation all at num_spec_tokens, with adaptive speculation 0 = an AR step), and the
-  // start-up time spent measuring the adaptive policy's step costs.
-  std::vector<int64_t> spec_length_steps;
-  double time_measure_costs_s = 0.0;
-};
 
 // How the engine runs decode steps.
 struct EngineOptions {

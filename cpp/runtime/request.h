@@ -1,5 +1,6 @@
 // A generation request as the runtime sees it: token ids in, token ids out, its sampling
-// parameters, its KV blocks, its metrics, and test/debug hooks (forced tokens, recorded logits
+// parameters, its KV blocks, its metrics (RequestMetrics, StepOutput: the public types of
+// include/dflash/outputs.h), and test/debug hooks (forced tokens, recorded logits
 // and hidden-state taps). Its prefill (the prompt, or after a preemption the prompt and all but
 // the last generated token) may run in chunks over several steps, and starts after the blocks
 // found in the prefix cache (num_computed = the cached tokens on admission).
@@ -10,21 +11,16 @@
 #include <string>
 #include <vector>
 
+#include "dflash/outputs.h"
+#include "dflash/sampling_params.h"
 #include "kv_cache/block_allocator.h"
 
 namespace dflash {
 
 using Clock = std::chrono::steady_clock;
 
-struct SamplingConfig {
-  int64_t max_tokens = 256;
-  float temperature = 0.0f;
-  float top_p = 1.0f;
-  int32_t top_k = 0;
-  uint64_t seed = 0;
-  std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
-  bool ignore_eos = false;              // benchmarks: run to max_tokens
-};
+// The public SamplingParams (include/dflash/sampling_params.h) under the runtime's name.
+using SamplingConfig = SamplingParams;
 
 struct RequestInput {
   std::vector<int32_t> prompt;
@@ -38,27 +34,6 @@ struct RequestInput {
   // sequence (the expected continuation: token k is the k-th generated token) instead of the
   // drafter, so tests can drive full-block acceptance.
   std::vector<int32_t> oracle_drafts;
-};
-
-struct RequestMetrics {
-  int64_t prompt_tokens = 0;
-  int64_t generated_tokens = 0;
-  int64_t num_steps = 0;
-  double time_to_first_token_s = 0.0;  // from add_request to the first token
-  double decode_tokens_per_s = 0.0;    // tokens after the first / time after the first
-  double total_time_s = 0.0;
-  // Speculative decoding (zero without a drafter):
-  int64_t num_spec_steps = 0;        // draft-verify steps
-  int64_t num_drafted = 0;           // draft tokens proposed
-  int64_t num_accepted = 0;          // draft tokens accepted
-  int64_t num_spec_emitted = 0;      // tokens emitted by draft-verify steps (bonus included)
-  std::vector<int64_t> accepted_per_position;  // [n] how often draft j was accepted
-  int64_t num_preemptions = 0;       // times its KV blocks were taken back (recomputed later)
-  int64_t num_cached_tokens = 0;     // prefill tokens found in the prefix cache (summed over admissions)
-  // Mean tokens emitted per draft-verify step, bonus included (tau).
-  double acceptance_length() const {
-    return num_spec_steps ? static_cast<double>(num_spec_emitted) / num_spec_steps : 0.0;
-  }
 };
 
 enum class RequestStatus { kWaiting, kRunning, kFinished };
@@ -95,14 +70,6 @@ struct Request {
     const int64_t np = static_cast<int64_t>(input.prompt.size());
     return pos < np ? input.prompt[pos] : output[pos - np];
   }
-};
-
-// What one step produced for one request.
-struct StepOutput {
-  int64_t request_id = 0;
-  std::vector<int32_t> new_tokens;
-  bool finished = false;
-  std::string finish_reason;
 };
 
 }  // namespace dflash

@@ -10,6 +10,7 @@
 #include <thread>
 
 namespace dflash {
+namespace runtime {
 
 namespace {
 
@@ -318,6 +319,8 @@ SessionStats Session::stats() const {
   s.max_model_len = max_model_len_;
   s.num_threads = backend_->num_threads();
   s.workspace_bytes = static_cast<int64_t>(backend_->workspace_bytes());
+  s.num_running_requests = engine_->scheduler().num_running();
+  s.num_waiting_requests = engine_->scheduler().num_waiting();
   s.engine = engine_->stats();
   s.cuda_graphs = engine_->cuda_graphs();
   s.graph_batch_sizes = engine_->graph_batch_sizes();
@@ -329,9 +332,16 @@ SessionStats Session::stats() const {
     s.draft_sampling = draft_sampling_;
     s.speculation = engine_->adaptive() ? "adaptive" : "fixed";
     s.draft_lengths = engine_->draft_lengths();
-    s.spec_costs = engine_->spec_costs();
+    const SpecCostTable costs = engine_->spec_costs();
+    s.spec_cost_batch_sizes = costs.batch_sizes;
+    s.spec_cost_lengths = costs.lengths;
+    const size_t n = costs.lengths.size();
+    for (size_t i = 0; i < costs.batch_sizes.size(); ++i) {
+      s.spec_cost_seconds.emplace_back(costs.seconds.begin() + i * n, costs.seconds.begin() + (i + 1) * n);
+    }
   }
   return s;
 }
 
+}  // namespace runtime
 }  // namespace dflash

@@ -1,6 +1,8 @@
-// Session: the one object a user of the runtime holds. It loads a model directory onto a
-// backend, sizes the paged KV cache, and drives the engine: add requests, step, collect
-// results. Used by the Python binding and directly from C++. Not thread-safe.
+// runtime::Session: the runtime behind the public dflash::Session (include/dflash/session.h,
+// cpp/api/session.cpp). It loads a model directory onto a backend, sizes the paged KV cache, and
+// drives the engine: add requests, step, collect results; with the test hooks the Python
+// bindings reach (recordings, forced tokens, oracle drafts, propose, block reference counts).
+// Not thread-safe.
 #pragma once
 
 #include <memory>
@@ -9,6 +11,7 @@
 
 #include "backend/backend.h"
 #include "config/model_config.h"
+#include "dflash/stats.h"
 #include "kv_cache/block_allocator.h"
 #include "model/drafter.h"
 #include "model/transformer.h"
@@ -16,6 +19,7 @@
 #include "weights/safetensors.h"
 
 namespace dflash {
+namespace runtime {
 
 struct SessionConfig {
   std::string device = "cpu";          // "cpu" or "cuda"
@@ -68,38 +72,6 @@ struct RequestResult {
   std::vector<float> taps;    // [rows, taps * hidden] when recorded
 };
 
-struct SessionStats {
-  std::string device;
-  int64_t weight_bytes = 0;
-  int64_t kv_cache_bytes = 0;
-  int64_t kv_cache_tokens = 0;
-  int64_t block_size = 0;
-  int64_t num_blocks = 0;
-  int64_t num_free_blocks = 0;         // free or evictable (cached, no request holds them)
-  // Prefix caching: cached blocks (referenced or not), the evictable ones among them, blocks
-  // evicted so far; prefill tokens looked up in the cache and found there.
-  bool prefix_caching = false;
-  int64_t num_cached_blocks = 0;
-  int64_t num_evictable_blocks = 0;
-  int64_t num_evicted_blocks = 0;
-  int64_t prefix_cache_query_tokens = 0;
-  int64_t prefix_cache_hit_tokens = 0;
-  int64_t max_model_len = 0;
-  int num_threads = 0;
-  int64_t workspace_bytes = 0;
-  int64_t draft_weight_bytes = 0;
-  int64_t draft_kv_cache_bytes = 0;
-  int64_t num_speculative_tokens = 0;  // 0 without a drafter
-  std::string draft_sampling;  // "greedy", "probabilistic", "walk" / "greedy_walk" (DFlash2); "" without a drafter
-  bool cuda_graphs = false;            // decode steps replay captured CUDA graphs
-  std::vector<int64_t> graph_batch_sizes;  // padded batch sizes of the decode programs
-  double graph_capture_s = 0.0;        // time spent capturing them at start-up
-  std::string speculation;             // "fixed" / "adaptive"; "" without a drafter
-  std::vector<int64_t> draft_lengths;  // draft lengths with decode programs
-  SpecCostTable spec_costs;            // adaptive: the policy's step costs
-  EngineStats engine;
-};
-
 class Session {
  public:
   Session(const std::string& model_dir, const SessionConfig& config);
@@ -111,8 +83,10 @@ class Session {
   bool has_unfinished() const { return engine_->has_unfinished(); }
   // Moves a finished request's result out; throws InvalidArgument if it is not finished.
   RequestResult take_result(int64_t id);
-  // Runs the given requests to completion (C++ convenience; Python drives step() itself).
+  // Runs the given requests to completion (the bindings' generate of debug inputs; the public
+  // dflash::Session::generate adds its own requests).
   std::vector<RequestResult> generate(std::vector<RequestInput> inputs);
+  int64_t max_model_len() const { return max_model_len_; }
   SessionStats stats() const;
   // Test hook: the reference count of every KV block [num_blocks].
   std::vector<int32_t> block_ref_counts() const;
@@ -139,4 +113,5 @@ class Session {
   double graph_capture_s_ = 0.0;
 };
 
+}  // namespace runtime
 }  // namespace dflash

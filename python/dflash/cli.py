@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 
 def _read_prompts(path: str) -> List[Any]:
@@ -372,8 +372,27 @@ def _add_serve_parser(sub: Any) -> None:
     s.set_defaults(func=_cmd_serve)
 
 
+class _PrintCMakeDir(argparse.Action):
+    """--cmake-dir: prints the folder of the C++ library's CMake package and exits."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        import dflash
+
+        try:
+            print(dflash.cmake_dir())
+        except FileNotFoundError as e:
+            parser.exit(1, f"dflash: error: {e}\n")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash", description="dflash: speculative-decoding LLM runtime")
+    p.add_argument("--cmake-dir", action=_PrintCMakeDir,
+                   help="print the folder to pass as dflash_DIR to CMake's find_package(dflash) (the C++ library)")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for a prompt or a file of prompts")
