@@ -204,6 +204,11 @@ LONG_PROMPT = [5] * (LONG_CONTEXT + 10)
 BAD_REQUESTS = [
     # (id, path, body (bytes: sent as is), status, param, code)
     ("bad_json", "/v1/chat/completions", b'{"model": "tiny", "messages": [', 400, None, "invalid_json"),
+    ("deeply_nested_json", "/v1/completions", b'{"prompt": "x", "stop": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+     400, None, "invalid_json"),
+    ("integer_past_digit_limit", "/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400,
+     None, "invalid_json"),
+    ("non_utf8_body", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, "invalid_json"),
     ("empty_body", "/v1/completions", b"", 400, None, None),
     ("not_an_object", "/v1/completions", [1, 2], 400, None, None),
     ("unknown_model", "/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}, 404, "model", "model_not_found"),

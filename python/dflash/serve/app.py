@@ -114,8 +114,11 @@ async def _json_body(request: Request) -> Dict[str, Any]:
         raise bad_request("The request body is empty; expected a JSON object")
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:
+        # ValueError covers malformed JSON, non-UTF-8 bytes and integers past Python's digit limit;
+        # RecursionError JSON nested deeper than the parser's recursion allows.
+        reason = "it nests too deeply" if isinstance(e, RecursionError) else str(e)
+        raise bad_request(f"The request body is not valid JSON: {reason}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got {type(body).__name__}")
     return body
