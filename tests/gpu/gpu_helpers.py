@@ -1,8 +1,8 @@
 # tests/gpu/gpu_helpers.py
 #
 # Shared by the kernel-level GPU tests: torch (optional outside the GPU and reference tests),
-# the skip mark for machines without a CUDA device or a CUDA build of dflash, and the test
-# bindings of the kernels.
+# the skip mark for machines without a CUDA device or a CUDA build of dflash, the test
+# bindings of the kernels, seeded bf16 inputs and the bf16 comparison with printed max errors.
 from __future__ import annotations
 
 import pytest
@@ -47,3 +47,26 @@ def gpu_dflash2(tmp_path, target, name: str = "d2", **kw):
     kw.setdefault("conv_group_size", 16)
     kw.setdefault("selector_rank", 16)
     return small_dflash2(tmp_path, target, name, **kw)
+
+
+DEV = "cuda"
+
+
+def bf16(*shape, scale=1.0, offset=0.0, seed=0):
+    """A seeded normal bf16 CUDA tensor: randn * scale + offset."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(*shape, device=DEV, generator=g) * scale + offset).to(torch.bfloat16)
+
+
+def report(name, got, want):
+    """Prints (-s) and returns the absolute error of got against want."""
+    err = (got.float() - want.float()).abs()
+    rel = err / want.float().abs().clamp_min(1e-3)
+    print(f"{name}: max abs err {err.max().item():.3g}, max rel err {rel.max().item():.3g}")
+    return err
+
+
+def assert_bf16_close(name, got, want, rtol=2 ** -7, atol=1e-3):
+    """got (bf16) within rtol (2 bf16 ulps) relative plus atol of the fp32 reference."""
+    report(name, got, want)
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.gpu.gpu_helpers import kernel_ops, requires_cuda, torch
-from tests.gpu.test_cuda_kernels import (
+from tests.gpu.sampling_reference import (
     STREAM_ACCEPT,
     STREAM_TARGET_SAMPLE,
     chi2_ok,
@@ -337,7 +337,7 @@ def test_accept_candidates_is_deterministic(dense):
 
 
 def test_draft_stream_is_the_reference_philox():
-    """The numpy Philox of test_cuda_kernels equals tests/reference's on the draft stream."""
+    """The numpy Philox of sampling_reference equals tests/reference's on the draft stream."""
     from tests.reference.dflash2_reference import philox_uniform as scalar_philox
 
     ids = np.array([0, 1, 7, 151935])
