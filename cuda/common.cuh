@@ -12,6 +12,10 @@
 #include <utility>
 
 namespace dflash {
+namespace cuda_driver {
+bool pdl_enabled();  // cpp/cuda_driver/driver_api.h (kept out of the kernels' includes)
+}  // namespace cuda_driver
+
 namespace cuda {
 namespace detail {
 
@@ -22,18 +26,11 @@ constexpr int kVec = 8;  // bf16 elements per 16-byte access
 // behind that kernel's tail. Every kernel launched this way calls pdl_begin() before it reads
 // anything an earlier kernel wrote or writes anything: it waits until the earlier grids have
 // completed and their writes are visible, then lets the next kernel launch. (For a plain launch
-// the wait returns at once.) DFLASH_PDL=0 launches plainly, for A/B timing.
+// the wait returns at once.) KernelOptions::programmatic_launch = false (DFLASH_PDL=0) launches
+// plainly, for A/B timing: the switch is cuda_driver::pdl_enabled().
 __device__ __forceinline__ void pdl_begin() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
-inline bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("DFLASH_PDL");
-    return !(v != nullptr && std::strcmp(v, "0") == 0);
-  }();
-  return on;
 }
 
 template <typename... Params, typename... Args>
@@ -48,7 +45,7 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
+  config.numAttrs = cuda_driver::pdl_enabled() ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 

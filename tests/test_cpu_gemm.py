@@ -3,8 +3,8 @@
 # The CPU backend's linear layer against numpy (float64) for the row counts of decode and verify
 # steps, where the AVX2 skinny kernel runs (2..4 rows, when the CPU has AVX2/FMA) and BLAS runs
 # otherwise; odd N and K (tails of the 3-row weight tile and of the 8-lane k loop); the skinny
-# rows are batch-invariant (a row's result does not depend on the other rows); DFLASH_CPU_GEMM
-# selects the kernel and rejects unknown values.
+# rows are batch-invariant (a row's result does not depend on the other rows); the cpu_gemm kernel
+# option (DFLASH_CPU_GEMM when a session opens) selects the kernel and rejects unknown values.
 from __future__ import annotations
 
 import os
@@ -41,13 +41,24 @@ def test_skinny_rows_are_batch_invariant():
     assert np.array_equal(testing.cpu_linear(x, w, num_threads=1), full)
 
 
-def test_cpu_gemm_env():
-    code = ("import numpy as np\nfrom dflash._core import testing\n"
-            "x = np.ones((2, 16), np.float32); w = np.ones((3, 16), np.float32)\n"
-            "print(testing.cpu_linear(x, w)[0, 0])")
-    env = dict(os.environ, DFLASH_CPU_GEMM="blas")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "16.0"
-    env["DFLASH_CPU_GEMM"] = "bogus"
-    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert bad.returncode != 0 and "DFLASH_CPU_GEMM=bogus is not one of auto, blas" in bad.stderr
+def test_cpu_gemm_option_picks_the_kernel():
+    x = np.ones((2, 16), np.float32)
+    w = np.ones((3, 16), np.float32)
+    assert testing.cpu_linear(x, w, cpu_gemm="blas")[0, 0] == 16.0
+    with pytest.raises(ValueError, match=r"kernels.cpu_gemm \(DFLASH_CPU_GEMM\) must be auto or blas, got 'bogus'"):
+        testing.cpu_linear(x, w, cpu_gemm="bogus")
+
+
+def test_cpu_gemm_environment_overrides_the_session(tiny_model):
+    """DFLASH_CPU_GEMM is read when a session opens (the session layer) and reaches the backend:
+    "blas" generates what the default does, a bad value is a ValueError naming the variable."""
+    code = ("import sys, dflash\n"
+            "s = dflash.Session(sys.argv[1], device='cpu')\n"
+            "print(s.generate([[1, 2, 3]], dflash.SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids)")
+    run = lambda value: subprocess.run([sys.executable, "-c", code, str(tiny_model)],  # noqa: E731
+                                       env=dict(os.environ, DFLASH_CPU_GEMM=value), capture_output=True, text=True)
+    default, blas = run(""), run("blas")
+    assert default.returncode == 0 and blas.returncode == 0, default.stderr + blas.stderr
+    assert blas.stdout == default.stdout and default.stdout.strip().startswith("[")
+    bad = run("bogus")
+    assert bad.returncode != 0 and "ValueError" in bad.stderr and "DFLASH_CPU_GEMM" in bad.stderr, bad.stderr

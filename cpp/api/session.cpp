@@ -203,6 +203,7 @@ runtime::SessionConfig runtime_config(const SessionOptions& o, const SessionHook
   c.gpu_memory_utilization = o.gpu_memory_utilization;
   c.cuda_graphs = o.cuda_graphs;
   c.async_decode = o.async_decode;
+  c.kernels = o.kernels;
   c.tap_layers = hooks.tap_layers;
   c.pad_decode_batches = hooks.pad_decode_batches;
   c.spec_length_schedule = hooks.spec_length_schedule;

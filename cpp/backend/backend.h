@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/tensor.h"
+#include "dflash/kernel_options.h"
 #include "weights/safetensors.h"
 
 namespace dflash {
@@ -312,8 +313,9 @@ class Backend {
 };
 
 // device: "cpu" or "cuda" (when built with CUDA). Throws InvalidArgument otherwise.
-// scratch_bytes sizes the CUDA per-step arena.
-std::unique_ptr<Backend> backend_create(const std::string& device, int num_threads, size_t scratch_bytes);
+// scratch_bytes sizes the CUDA per-step arena; `kernels` are the kernel choices (each backend validates its own).
+std::unique_ptr<Backend> backend_create(const std::string& device, int num_threads, size_t scratch_bytes,
+                                        const KernelOptions& kernels = KernelOptions());
 
 // True when this build contains the CUDA backend.
 bool backend_built_with_cuda();

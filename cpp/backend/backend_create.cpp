@@ -23,11 +23,12 @@ bool backend_cuda_usable() {
 #endif
 }
 
-std::unique_ptr<Backend> backend_create(const std::string& device, int num_threads, size_t scratch_bytes) {
-  if (device == "cpu") return std::make_unique<CpuBackend>(num_threads);
+std::unique_ptr<Backend> backend_create(const std::string& device, int num_threads, size_t scratch_bytes,
+                                        const KernelOptions& kernels) {
+  if (device == "cpu") return std::make_unique<CpuBackend>(num_threads, kernels);
   if (device == "cuda") {
 #ifdef DFLASH_WITH_CUDA
-    return std::make_unique<CudaBackend>(0, scratch_bytes);
+    return std::make_unique<CudaBackend>(0, scratch_bytes, kernels);
 #else
     throw InvalidArgument("device='cuda' was asked for, but this build of dflash has no CUDA backend "
                           "(it was built without nvcc or with DFLASH_CUDA=OFF)");

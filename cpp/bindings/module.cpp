@@ -117,9 +117,11 @@ nb::object cpu_paged_attention(const F32Array& q, const F32Array& k_pool, const 
 
 // The CPU backend's linear layer: out[M, N] = x[M, K] @ w[N, K]^T (skinny kernel or BLAS, as
 // the backend dispatches), for kernel tests.
-nb::object cpu_linear(const F32Array& x, const F32Array& w, int num_threads) {
+nb::object cpu_linear(const F32Array& x, const F32Array& w, int num_threads, const std::string& cpu_gemm) {
   DFLASH_ARG_CHECK(x.ndim() == 2 && w.ndim() == 2 && x.shape(1) == w.shape(1), "linear: x [M, K], w [N, K]");
-  CpuBackend backend(num_threads);
+  KernelOptions kernels;
+  kernels.cpu_gemm = cpu_gemm;
+  CpuBackend backend(num_threads, kernels);
   std::vector<float> out(x.shape(0) * w.shape(0));
   Tensor out_t = backend.empty({static_cast<int64_t>(x.shape(0)), static_cast<int64_t>(w.shape(0))}, DType::kF32);
   backend.linear(wrap(x, DType::kF32), wrap(w, DType::kF32), out_t);
@@ -264,8 +266,8 @@ NB_MODULE(_core, m) {
               "softcap"_a = 0.0f, "The CPU backend's exact re-score of candidates: (ids [R, K], unary [R, K]).");
   testing.def("cpu_grouped_conv", &cpu_grouped_conv, "x"_a, "base"_a, "deltas"_a, "side"_a, "block"_a, "group"_a,
               "The CPU backend's DFlash2 grouped dynamic conv (one side): out [N, H].");
-  testing.def("cpu_linear", &cpu_linear, "x"_a, "w"_a, "num_threads"_a = 2,
-              "The CPU backend's linear layer x @ w.T (DFLASH_CPU_GEMM picks the kernel).");
+  testing.def("cpu_linear", &cpu_linear, "x"_a, "w"_a, "num_threads"_a = 2, "cpu_gemm"_a = "auto",
+              "The CPU backend's linear layer x @ w.T (cpu_gemm picks the kernel: auto or blas).");
   // Adaptive speculation's policy (runtime/spec_policy.h) on synthetic cost tables: rows
   // [batch_size, seconds of each of `lengths`].
   testing.def("spec_expected_tokens", &spec_expected_tokens, "rates"_a, "length"_a, "remaining"_a,

@@ -1,6 +1,7 @@
 // Run-time resolution of the CUDA driver API through the static CUDA runtime (see driver_api.h).
 #include "cuda_driver/driver_api.h"
 
+#include <atomic>
 #include <cstdlib>
 
 #include <cuda_runtime_api.h>
@@ -60,13 +61,13 @@ const DriverApi& driver_api() {
   return api;
 }
 
-bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("DFLASH_PDL");
-    return !(v != nullptr && std::string(v) == "0");
-  }();
-  return on;
-}
+namespace {
+std::atomic<bool> pdl_on{true};
+}  // namespace
+
+bool pdl_enabled() { return pdl_on.load(std::memory_order_relaxed); }
+
+void set_pdl_enabled(bool on) { pdl_on.store(on, std::memory_order_relaxed); }
 
 std::string cu_error_string(CUresult result) {
   const char* name = nullptr;

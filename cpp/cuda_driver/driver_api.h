@@ -40,9 +40,11 @@ struct DriverApi {
 // call tries again. After one successful call it never throws.
 const DriverApi& driver_api();
 
-// Whether kernels are launched with programmatic dependent launch (DFLASH_PDL, read once; on
-// unless "0"): the same switch as the hand-written kernels' (cuda/common.cuh).
+// Whether kernels are launched with programmatic dependent launch (on by default): one
+// process-wide switch for the Triton launchers and the hand-written kernels (cuda/common.cuh),
+// set by the CUDA backend from KernelOptions::programmatic_launch when a session opens.
 bool pdl_enabled();
+void set_pdl_enabled(bool on);
 
 // "CUDA_ERROR_NAME: description" of a driver result; never throws (falls back to the number
 // when the driver is unavailable).

@@ -3,6 +3,7 @@
 
 #include "model/dflash2_drafter.h"
 #include "model/dflash_drafter.h"
+#include "runtime/kernel_environment.h"
 
 #include <unistd.h>
 
@@ -139,7 +140,8 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   transformer_check_checkpoint(config_, *checkpoint_);
   backend_ = backend_create(config.device, threads,
                             scratch_bytes(config_, config, static_cast<int64_t>(taps.size()), spec_tokens,
-                                          config.draft_dir.empty() ? nullptr : &draft_config));
+                                          config.draft_dir.empty() ? nullptr : &draft_config),
+                            kernel_options_with_environment(config.kernels));
   if (backend_->kind() == DeviceKind::kCUDA) {
     auto check_head_dim = [](int64_t hd, const std::string& what) {
       DFLASH_ARG_CHECK(hd == 64 || hd == 128, "the CUDA backend supports head_dim 64 and 128; ", what,

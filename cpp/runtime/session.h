@@ -39,6 +39,7 @@ struct SessionConfig {
   double gpu_memory_utilization = 0.9;  // CUDA: fraction of GPU memory this session may use
   bool cuda_graphs = true;             // CUDA: replay decode steps from captured graphs
   bool async_decode = false;           // pipelined target-only decoding (EngineOptions::async_decode)
+  KernelOptions kernels;               // the backend's kernel choices (before environment overrides)
   // DFlash (v1) drafts: "greedy" (argmax, one-hot proposals), "probabilistic" (sampled from the
   // drafter's distribution at T > 0 and verified against it; the argmax at T = 0) or "auto"
   // (probabilistic for DFlash drafters; DFlash2 drafters always walk their candidates).

@@ -33,6 +33,7 @@
 
 #include "dflash/errors.h"
 #include "dflash/export.h"
+#include "dflash/kernel_options.h"
 #include "dflash/outputs.h"
 #include "dflash/sampling_params.h"
 #include "dflash/stats.h"
@@ -84,6 +85,8 @@ struct SessionOptions {
   // Pipelined target-only decoding (each step launched before the previous one's tokens are
   // read; same outputs). Not with a drafter.
   bool async_decode = false;
+  // Which kernels the backend uses (kernel_options.h; environment variables override them).
+  KernelOptions kernels;
 };
 
 // The target model, from its config.json (and generation_config.json).

@@ -48,20 +48,18 @@ void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* o
 
 }  // namespace
 
-CpuBackend::CpuBackend(int num_threads) : num_threads_(num_threads) {
+CpuBackend::CpuBackend(int num_threads, const KernelOptions& kernels) : num_threads_(num_threads) {
   // Each thread is an OS thread: an absurd count would exhaust the host's process ids first.
   const int max_threads = std::max(1024, static_cast<int>(std::thread::hardware_concurrency()));
   DFLASH_ARG_CHECK(num_threads >= 1 && num_threads <= max_threads,
                    "num_threads must be in [1, ", max_threads, "], got ", num_threads);
   scipy_openblas_set_num_threads(num_threads);
   pool_ = std::make_unique<ThreadPool>(num_threads);
-  // DFLASH_CPU_GEMM: "auto" (default) uses the skinny kernel for up to kCpuSkinnyMaxRows rows
-  // when the CPU has AVX2/FMA; "blas" sends every GEMM to OpenBLAS (for comparisons).
-  const char* env = std::getenv("DFLASH_CPU_GEMM");
-  const std::string mode = env ? env : "";
-  DFLASH_ARG_CHECK(mode.empty() || mode == "auto" || mode == "blas", "DFLASH_CPU_GEMM=", mode,
-                   " is not one of auto, blas");
-  skinny_gemm_ = mode != "blas" && cpu_skinny_gemm_supported();
+  // cpu_gemm "auto" uses the skinny kernel for up to kCpuSkinnyMaxRows rows when the CPU has
+  // AVX2/FMA; "blas" sends every GEMM to OpenBLAS (for comparisons).
+  DFLASH_ARG_CHECK(kernels.cpu_gemm == "auto" || kernels.cpu_gemm == "blas",
+                   "kernels.cpu_gemm (DFLASH_CPU_GEMM) must be auto or blas, got '", kernels.cpu_gemm, "'");
+  skinny_gemm_ = kernels.cpu_gemm != "blas" && cpu_skinny_gemm_supported();
 }
 
 void CpuBackend::parallel(int64_t n, int64_t work_per_item,

@@ -13,7 +13,7 @@ namespace dflash {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int num_threads);
+  CpuBackend(int num_threads, const KernelOptions& kernels = KernelOptions());
 
   DeviceKind kind() const override { return DeviceKind::kCPU; }
   std::string name() const override { return "cpu"; }

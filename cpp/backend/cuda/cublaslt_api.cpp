@@ -14,9 +14,9 @@ namespace dflash {
 
 namespace {
 
-void* open_library(std::string* tried) {
+void* open_library(const std::string& first_try, std::string* tried) {
   std::vector<std::string> names;
-  if (const char* hint = std::getenv("DFLASH_CUBLASLT_PATH")) names.push_back(hint);
+  if (!first_try.empty()) names.push_back(first_try);
   names.push_back("libcublasLt.so.13");
   names.push_back("/usr/local/cuda/lib64/libcublasLt.so.13");
   for (const auto& n : names) {
@@ -34,16 +34,16 @@ void resolve(void* lib, const char* name, Fn* out) {
 
 }  // namespace
 
-const CublasLtApi& cublaslt_api() {
+const CublasLtApi& cublaslt_api(const std::string& first_try) {
   static CublasLtApi api;
   static std::once_flag once;
   static std::string error;
-  std::call_once(once, [] {
+  std::call_once(once, [&first_try] {
     std::string tried;
-    void* lib = open_library(&tried);
+    void* lib = open_library(first_try, &tried);
     if (!lib) {
       error = "cannot load cuBLASLt (tried " + tried +
-              "); install the PyPI package nvidia-cublas or set DFLASH_CUBLASLT_PATH";
+              "); install the PyPI package nvidia-cublas or set DFLASH_CUBLASLT_PATH (KernelOptions::cublaslt_path)";
       return;
     }
     try {

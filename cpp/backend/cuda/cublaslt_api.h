@@ -5,6 +5,8 @@
 
 #include <cublasLt.h>
 
+#include <string>
+
 namespace dflash {
 
 struct CublasLtApi {
@@ -22,7 +24,8 @@ struct CublasLtApi {
   decltype(&cublasLtMatmul) matmul = nullptr;
 };
 
-// Loads the library once (thread-safe); throws dflash::Error saying where it looked.
-const CublasLtApi& cublaslt_api();
+// Loads the library once (thread-safe), trying `first_try` (when not empty) before the default
+// names on that first call; throws dflash::Error saying where it looked.
+const CublasLtApi& cublaslt_api(const std::string& first_try = "");
 
 }  // namespace dflash

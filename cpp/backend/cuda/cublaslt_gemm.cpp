@@ -13,8 +13,8 @@ namespace dflash {
                  static_cast<int>(st_));                                                \
   } while (0)
 
-CublasLtGemm::CublasLtGemm(void* workspace, size_t workspace_bytes)
-    : api_(cublaslt_api()), workspace_(workspace), workspace_bytes_(workspace_bytes) {
+CublasLtGemm::CublasLtGemm(void* workspace, size_t workspace_bytes, const std::string& library_path)
+    : api_(cublaslt_api(library_path)), workspace_(workspace), workspace_bytes_(workspace_bytes) {
   DFLASH_CUBLAS_CHECK(api_.create(&handle_));
 }
 

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <map>
+#include <string>
 #include <tuple>
 
 #include "backend/cuda/cublaslt_api.h"
@@ -15,7 +16,8 @@ namespace dflash {
 
 class CublasLtGemm {
  public:
-  CublasLtGemm(void* workspace, size_t workspace_bytes);
+  // library_path: a libcublasLt.so tried first when cuBLASLt is not loaded yet ("": the default names).
+  CublasLtGemm(void* workspace, size_t workspace_bytes, const std::string& library_path = "");
   ~CublasLtGemm();
   CublasLtGemm(const CublasLtGemm&) = delete;
   CublasLtGemm& operator=(const CublasLtGemm&) = delete;

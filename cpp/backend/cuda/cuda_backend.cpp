@@ -10,6 +10,7 @@
 #include <string>
 
 #include "backend/cuda/cuda_check.h"
+#include "cuda_driver/driver_api.h"
 #include "cuda/kernels.h"
 #include "triton_kernels/lattice_walk.h"
 #include "triton_kernels/triton_attention.h"
@@ -60,17 +61,15 @@ cuda::DecodeAttentionArgs as_decode_args(const triton_aot::PagedAttentionArgs& a
   return d;
 }
 
-// DFLASH_GEMM: "cublaslt" sends every linear layer to cuBLASLt; "skinny" every one the skinny
-// kernel supports (up to kSkinnyGemmRows rows); unset or "auto": the skinny kernel only for
+// kernels.gemm: "cublaslt" sends every linear layer to cuBLASLt; "skinny" every one the skinny
+// kernel supports (up to kSkinnyGemmRows rows); "auto": the skinny kernel only for
 // small weights (N x K <= 4096 x 4096), where it measured faster than cuBLASLt on the H200
 // (bench/results/gpu_h200_skinny_gemm.json: O projection 10.9 vs 13.2 us); cuBLASLt wins on the
 // larger ones (gate/up, LM head, drafter fc). A fixed rule, not timing, so results are
 // reproducible run to run.
-CudaBackend::GemmMode gemm_mode_from_env() {
-  const char* v = std::getenv("DFLASH_GEMM");
-  const std::string s = v ? v : "";
-  DFLASH_ARG_CHECK(s.empty() || s == "auto" || s == "cublaslt" || s == "skinny", "DFLASH_GEMM=", s,
-                   " is not one of auto, cublaslt, skinny");
+CudaBackend::GemmMode gemm_mode_of(const std::string& s) {
+  DFLASH_ARG_CHECK(s == "auto" || s == "cublaslt" || s == "skinny", "kernels.gemm (DFLASH_GEMM) must be auto, cublaslt or skinny, got '",
+                   s, "'");
   return s == "cublaslt" ? CudaBackend::GemmMode::kCublasLt
          : s == "skinny" ? CudaBackend::GemmMode::kSkinny
                          : CudaBackend::GemmMode::kAuto;
@@ -78,15 +77,15 @@ CudaBackend::GemmMode gemm_mode_from_env() {
 
 }  // namespace
 
-CudaBackend::CudaBackend(int device, size_t scratch_bytes) : device_(device), scratch_bytes_(scratch_bytes) {
-  gemm_mode_ = gemm_mode_from_env();  // first: it may throw, before anything is allocated
-  const char* fused = std::getenv("DFLASH_FUSED");  // "0": unfused layer ops, for A/B timing
-  fused_layers_ = !(fused != nullptr && std::string(fused) == "0");
-  const char* attention = std::getenv("DFLASH_ATTENTION");
-  const std::string attention_mode = attention ? attention : "";
-  DFLASH_ARG_CHECK(attention_mode.empty() || attention_mode == "auto" || attention_mode == "triton",
-                   "DFLASH_ATTENTION=", attention_mode, " is not one of auto, triton");
-  cuda_decode_attention_ = attention_mode != "triton";
+CudaBackend::CudaBackend(int device, size_t scratch_bytes, const KernelOptions& kernels)
+    : device_(device), scratch_bytes_(scratch_bytes) {
+  gemm_mode_ = gemm_mode_of(kernels.gemm);  // first: it may throw, before anything is allocated
+  fused_layers_ = kernels.fused_layers;     // false: unfused layer ops, for A/B timing
+  DFLASH_ARG_CHECK(kernels.attention == "auto" || kernels.attention == "triton",
+                   "kernels.attention (DFLASH_ATTENTION) must be auto or triton, got '", kernels.attention, "'");
+  cuda_decode_attention_ = kernels.attention != "triton";
+  cuda_driver::set_pdl_enabled(kernels.programmatic_launch);
+  cublaslt_path_ = kernels.cublaslt_path;
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
@@ -108,7 +107,7 @@ CudaBackend::CudaBackend(int device, size_t scratch_bytes) : device_(device), sc
   DFLASH_CUDA_CHECK(cudaMemset(attention_counters_, 0, kAttentionCounterSlots * sizeof(int32_t)));
   DFLASH_CUDA_CHECK(cudaMalloc(&topk_counters_, kTopkCounterSlots * sizeof(int32_t)));
   DFLASH_CUDA_CHECK(cudaMemset(topk_counters_, 0, kTopkCounterSlots * sizeof(int32_t)));
-  gemm_ = std::make_unique<CublasLtGemm>(gemm_workspace_, gemm_workspace_bytes_);
+  gemm_ = std::make_unique<CublasLtGemm>(gemm_workspace_, gemm_workspace_bytes_, cublaslt_path_);
   triton_ = std::make_unique<triton_aot::Modules>();  // every Triton module, loaded once
 }
 

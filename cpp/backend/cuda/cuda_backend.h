@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <string>
 
 #include "backend/backend.h"
 #include "backend/cuda/cublaslt_gemm.h"
@@ -26,7 +27,7 @@ class CudaBackend final : public Backend {
  public:
   enum class GemmMode { kAuto, kCublasLt, kSkinny };
   // scratch_bytes: the per-step arena (activations, logits, metadata).
-  CudaBackend(int device, size_t scratch_bytes);
+  CudaBackend(int device, size_t scratch_bytes, const KernelOptions& kernels = KernelOptions());
   ~CudaBackend() override;
   // A GPU of compute capability 9.x is visible and the driver works.
   static bool usable();
@@ -154,7 +155,8 @@ class CudaBackend final : public Backend {
   static constexpr int64_t kSkinnyGemmRows = 16;
   static constexpr int64_t kSkinnyGemmMaxWeight = int64_t{4096} * 4096;
   GemmMode gemm_mode_ = GemmMode::kAuto;
-  bool fused_layers_ = true;  // DFLASH_FUSED=0: the layer ops compose the unfused kernels
+  bool fused_layers_ = true;  // KernelOptions::fused_layers false: the layer ops compose the unfused kernels
+  std::string cublaslt_path_;  // KernelOptions::cublaslt_path
   std::unique_ptr<triton_aot::Modules> triton_;
 };
 

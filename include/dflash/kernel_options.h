@@ -1,0 +1,31 @@
+// dflash::KernelOptions: which kernels a session's backend uses, for A/B timing and debugging.
+// Outputs stay within each backend's numerics whatever is chosen. The environment variables
+// DFLASH_GEMM, DFLASH_FUSED, DFLASH_ATTENTION, DFLASH_PDL, DFLASH_CPU_GEMM and
+// DFLASH_CUBLASLT_PATH, when set, override these fields once, when a session opens.
+#pragma once
+
+#include <string>
+
+namespace dflash {
+
+struct KernelOptions {
+  // CUDA linear layers: "auto" (the skinny kernel for small weights, N x K <= 4096 x 4096, where
+  // it measured faster on the H200; cuBLASLt for the rest), "cublaslt" or "skinny" (every layer
+  // the skinny kernel supports).
+  std::string gemm = "auto";
+  // CUDA: norms and activations fused into the skinny GEMMs (false: the unfused kernels).
+  bool fused_layers = true;
+  // CUDA decode attention: "auto" (the CUDA split-KV kernel where it fits, else Triton) or
+  // "triton" (always the AOT Triton kernel).
+  std::string attention = "auto";
+  // CUDA: programmatic dependent launch. Process-wide: the last CUDA session opened sets it.
+  bool programmatic_launch = true;
+  // CPU GEMMs: "auto" (the AVX2/FMA skinny kernel for few rows where the CPU has it) or "blas"
+  // (OpenBLAS for every GEMM).
+  std::string cpu_gemm = "auto";
+  // CUDA: a libcublasLt.so to try before the default names. Process-wide: the first CUDA session
+  // loads the library.
+  std::string cublaslt_path;
+};
+
+}  // namespace dflash
