@@ -1,5 +1,5 @@
 // The op interface that model code is written against. One implementation per device:
-// cpu/ (fp32 reference ops, this issue) and cuda/ (bf16 kernels, a later issue). Tensors passed
+// cpu/ (the fp32 reference ops) and cuda/ (bf16 kernels, cuBLASLt, AOT Triton). Tensors passed
 // in are contiguous and live on the backend's device. Ops never allocate except `empty` and the
 // upload helpers, so a CUDA backend can capture steps into graphs.
 #pragma once
