@@ -377,7 +377,7 @@ size_t decode_attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, i
   return static_cast<size_t>(splits) * num_tokens * num_heads * (head_dim + 2) * sizeof(float);
 }
 
-const char* decode_attention_check(const DecodeAttentionArgs& a) {
+const char* decode_attention_check(const PagedAttentionArgs& a) {
   if (a.head_dim != 64 && a.head_dim != 128) return "head_dim must be 64 or 128";
   if (a.num_kv_heads <= 0 || a.num_heads <= 0 || a.num_heads % a.num_kv_heads != 0) {
     return "num_heads must be a positive multiple of num_kv_heads";
@@ -394,7 +394,7 @@ const char* decode_attention_check(const DecodeAttentionArgs& a) {
   return nullptr;
 }
 
-int decode_attention_splits(const DecodeAttentionArgs& a) {
+int decode_attention_splits(const PagedAttentionArgs& a) {
   if (a.force_splits > 0) return a.force_splits;
   if (a.workspace == nullptr || a.counters == nullptr ||
       int64_t{a.num_seqs} * a.num_kv_heads > a.counter_slots) {
@@ -412,7 +412,7 @@ int decode_attention_splits(const DecodeAttentionArgs& a) {
   return clamp_splits(splits);
 }
 
-cudaError_t decode_attention(const DecodeAttentionArgs& a, cudaStream_t stream) {
+cudaError_t decode_attention(const PagedAttentionArgs& a, cudaStream_t stream) {
   if (decode_attention_check(a) != nullptr) return cudaErrorInvalidValue;
   if (a.num_seqs == 0 || a.num_tokens == 0) return cudaSuccess;
   const int splits = decode_attention_splits(a);

@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda/paged_attention_args.h"
+
 namespace dflash {
 namespace cuda {
 
@@ -147,6 +149,9 @@ cudaError_t kv_norm_rope_write_layers(const __nv_bfloat16* kv, const __nv_bfloat
 cudaError_t argmax_rows(const __nv_bfloat16* logits, int64_t rows, int64_t vocab, int32_t* out, cudaStream_t stream);
 cudaError_t argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* out, cudaStream_t stream);
 
+// flags[R] = 1 where row r of logits[R, V] (fp32) holds a NaN or an infinity, else 0.
+cudaError_t nonfinite_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* flags, cudaStream_t stream);
+
 // Per request r of `rows`: drafts[r, :] = use_override[r] ? override_drafts[r, :] : proposed[r, :]
 // (each [n]); verify_ids[r, 1 + j] = drafts[r, j] in verify_ids [rows, n + 1].
 cudaError_t assemble_drafts(const int32_t* proposed, const int32_t* override_drafts, const int32_t* use_override,
@@ -223,44 +228,18 @@ cudaError_t sample_drafts(const float* logits, int64_t rows, int64_t n, int64_t 
                           int32_t* drafts, cudaStream_t stream);
 
 // Paged decode attention (decode_attention.cu) for launches with max_query_len * group <= 16
-// rows per (sequence, KV head), head_dim 64 or 128: the inputs, masks and layout of the Triton
-// paged attention (triton_kernels/triton_attention.h), split-KV with the combine done by the
+// rows per (sequence, KV head), head_dim 64 or 128: the PagedAttentionArgs of the Triton paged
+// attention (cuda/paged_attention_args.h; counters for split-KV), split-KV with the combine done by the
 // last CTA of each (sequence, KV head), so one launch. The split count depends only on the
 // host-side fields (CUDA-graph safe).
 constexpr int64_t kDecodeAttentionMaxRows = 16;
-struct DecodeAttentionArgs {
-  const void* q = nullptr;       // bf16 [num_tokens, num_heads, head_dim]
-  const void* k_pool = nullptr;  // bf16 [num_blocks, block_size, num_kv_heads, head_dim] (one layer)
-  const void* v_pool = nullptr;
-  void* out = nullptr;  // bf16, q's shape
-  const int32_t* query_start = nullptr;  // [num_seqs + 1]; queries at the last positions
-  const int32_t* kv_len = nullptr;       // [num_seqs]
-  const int32_t* block_table = nullptr;  // [num_seqs, max_blocks_per_seq]
-  int32_t num_seqs = 0, num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
-  int32_t block_size = 0, max_blocks_per_seq = 0;
-  int32_t max_query_len = 0, max_kv_len = 0;  // host-known upper bounds
-  bool causal = true;
-  int32_t window = 0;  // > 0: sliding window (implies causal)
-  // With window > 0 and causal false: a symmetric window instead, keys |q_pos - j| < window
-  // (takes precedence over causal, as in triton_aot::PagedAttentionArgs).
-  bool symmetric_window = false;
-  float scale = 0.0f;  // 0: 1 / sqrt(head_dim)
-  // Split-KV: fp32 workspace (decode_attention_workspace_bytes) and int32 counters
-  // [counter_slots >= num_seqs * num_kv_heads], zeroed once by the owner (the kernel leaves them
-  // zero). Null or too small: one split.
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
-  int32_t* counters = nullptr;
-  int64_t counter_slots = 0;
-  int32_t force_splits = 0;  // testing: this many splits (needs workspace and counters)
-};
 // nullptr when supported, else why not.
-const char* decode_attention_check(const DecodeAttentionArgs& args);
+const char* decode_attention_check(const PagedAttentionArgs& args);
 int decode_attention_max_splits();
 size_t decode_attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, int64_t head_dim, int splits);
 // The split count decode_attention() launches for these arguments.
-int decode_attention_splits(const DecodeAttentionArgs& args);
-cudaError_t decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
+int decode_attention_splits(const PagedAttentionArgs& args);
+cudaError_t decode_attention(const PagedAttentionArgs& args, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // DFlash2's FP8 candidate head (backend.h, Fp8Weight; host reference backend/cpu/host_fp8.h): an

@@ -405,3 +405,34 @@ def test_serve_without_the_extra_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a))
     assert cli.main(["serve", "--model", os.devnull]) == 2
     assert "pip install 'dflash[serve]'" in capsys.readouterr().err
+
+
+def test_nan_logits_end_a_request_with_finish_reason_error(long_model, tmp_path, session):
+    """A request that meets NaN logits (tests/nonfinite_helpers.py: a model whose embedding row of
+    the prompt's first greedy token t0 is NaN) gets a 200 with finish_reason "error" after the
+    text before it, streamed or not; the server goes on answering other requests exactly."""
+    from dflash.serve import build_app
+    from tests.nonfinite_helpers import poisoned_copy
+
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    probe = session.generate("the sea", greedy)[0]
+    t0 = probe.token_ids[0]
+    assert t0 not in probe.prompt_token_ids
+    other = next(o for o in session.generate(["why is", "a cat", "one two three", "hello there"], greedy)
+                 if t0 not in o.prompt_token_ids and t0 not in o.token_ids)
+    poisoned = poisoned_copy(long_model, tmp_path / "poisoned", t0)
+    with dflash.Session(poisoned, device="cpu", num_threads=1, max_model_len=1024, kv_cache_tokens=8192) as s:
+        with running_server(build_app(s)) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="none",
+                                                                max_retries=0) as c:
+            name = c.models.list().data[0].id
+            full = c.completions.create(model=name, prompt="the sea", max_tokens=12, temperature=0)
+            assert full.choices[0].finish_reason == "error" and full.usage.completion_tokens == 1
+            chunks = list(c.completions.create(model=name, prompt="the sea", max_tokens=12, temperature=0,
+                                               stream=True))
+            assert chunks[-1].choices[0].finish_reason == "error"
+            assert _completion_text(chunks) == full.choices[0].text
+            fine = c.completions.create(model=name, prompt=other.prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+            assert (fine.choices[0].finish_reason, fine.choices[0].text) == ("length", other.text)
+            assert metrics(url)['dflash_requests_finished_total{finish_reason="error"}'] == 2
+            assert all_blocks_free(url)

@@ -1,7 +1,7 @@
 // Paged attention through the ahead-of-time compiled Triton kernels (paged_attention.py): the
 // stable API the CUDA backend calls. Modules loads every cubin once (at Session start);
 // paged_attention() picks the kernel variant, tile and split-KV count on the host from the
-// host-known bounds in PagedAttentionArgs and launches on the given stream. It never allocates,
+// host-known bounds in PagedAttentionArgs (cuda/paged_attention_args.h) and launches on the given stream. It never allocates,
 // synchronises or throws, so it can be captured into CUDA graphs (the launch shape depends only
 // on the host-side fields: keep them fixed for a captured graph).
 #pragma once
@@ -13,50 +13,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "cuda/paged_attention_args.h"
+
 namespace dflash {
 namespace triton_aot {
-
-enum class PagedAttentionVariant : int32_t {
-  kAuto = 0,     // choose (the default)
-  kPrefill = 1,  // any number of queries per sequence
-  kDecode = 2,   // max_query_len * (num_heads / num_kv_heads) <= 64, optionally split-KV
-};
-
-struct PagedAttentionArgs {
-  // bf16, 16-byte aligned. q, out: [num_tokens, num_heads, head_dim];
-  // pools of ONE layer: [num_blocks, block_size, num_kv_heads, head_dim].
-  const void* q = nullptr;
-  const void* k_pool = nullptr;
-  const void* v_pool = nullptr;
-  void* out = nullptr;
-  // Device int32. query_start [num_seqs + 1]: sequence s owns query rows
-  // [query_start[s], query_start[s+1]) whose queries sit at its last positions
-  // (kv_len[s] - num_q + i); kv_len [num_seqs]; block_table [num_seqs, max_blocks_per_seq].
-  const int32_t* query_start = nullptr;
-  const int32_t* kv_len = nullptr;
-  const int32_t* block_table = nullptr;
-  int32_t num_seqs = 0, num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
-  int32_t block_size = 0, max_blocks_per_seq = 0;
-  // Host-known upper bounds of the per-sequence query count and kv_len: they pick the variant,
-  // the grid and the split count. A sequence above them is a caller bug (decode: rows dropped).
-  int32_t max_query_len = 0, max_kv_len = 0;
-  // causal: key j visible iff j <= q_pos; else every query sees all kv_len keys (the drafter's
-  // block). window > 0: sliding window q_pos - window < j <= q_pos (implies causal).
-  bool causal = true;
-  int32_t window = 0;
-  // With window > 0 and causal false: a symmetric window instead, keys |q_pos - j| < window
-  // (DFlash2's non-causal sliding layers; the queries of a block see keys above their position).
-  // Takes precedence over causal, as on the CPU backend; no effect without a window.
-  bool symmetric_window = false;
-  float scale = 0.0f;  // softmax scale; 0 means 1 / sqrt(head_dim)
-  // Split-KV workspace (device, 16-byte aligned), at least paged_attention_workspace_bytes(...)
-  // for the splits wanted; null or too small: no split.
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
-  // Testing and tuning: force a variant, or a split count (decode variant; 0 = choose).
-  PagedAttentionVariant force_variant = PagedAttentionVariant::kAuto;
-  int32_t force_splits = 0;
-};
 
 // What paged_attention() will launch for given arguments.
 struct PagedAttentionPlan {

@@ -183,6 +183,9 @@ class Backend {
   // --- Device-side steps (no host round trip; usable inside captured graphs) ---
   // out[R] = argmax of each row of logits[R, V] (fp32 or the compute dtype), lowest id on ties.
   virtual void argmax(const Tensor& logits, Tensor& out) = 0;
+  // flags[R] (int32) = 1 where row r of logits[R, V] (fp32) holds a NaN or an infinity, else 0
+  // (the engine ends such a row's request with finish_reason "error" instead of sampling it).
+  virtual void nonfinite_rows(const Tensor& logits, Tensor& flags) = 0;
   // tokens[R] (device int32) = one token per row of logits[R, V] (fp32) with the packed
   // params[R] (see SampleParamsPacked); the same draws as `sample`.
   virtual void sample_rows(const Tensor& logits, const Tensor& params, Tensor& tokens) = 0;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backend/cuda/cublaslt_gemm.h"
+#include "bindings/cuda_testing_util.h"
 #include "common/error.h"
 #include "cuda/kernels.h"
 
@@ -26,34 +27,9 @@ using namespace nb::literals;
 namespace dflash {
 namespace {
 
-using Any = nb::ndarray<nb::device::cuda, nb::c_contig>;
-using F32 = nb::ndarray<float, nb::device::cuda, nb::c_contig>;
-using I32 = nb::ndarray<int32_t, nb::device::cuda, nb::c_contig>;
+using namespace testing_bindings;
 
 int64_t numel(const Any& a) { return static_cast<int64_t>(a.size()); }
-
-__nv_bfloat16* bf16_ptr(const Any& a, const char* name) {
-  DFLASH_ARG_CHECK(a.dtype().code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) &&
-                       a.dtype().bits == 16 && a.dtype().lanes == 1,
-                   name, " must be a bfloat16 tensor");
-  return static_cast<__nv_bfloat16*>(a.data());
-}
-
-__nv_bfloat16* bf16_ptr(const std::optional<Any>& a, const char* name) {
-  return a ? bf16_ptr(*a, name) : nullptr;
-}
-
-void use_device(int device_id) {
-  const cudaError_t e = cudaSetDevice(device_id);
-  DFLASH_CHECK(e == cudaSuccess, "cudaSetDevice(", device_id, "): ", cudaGetErrorString(e));
-}
-
-// Checks a launcher's status, then waits for the kernel and checks its completion.
-void finish(const char* op, cudaError_t launched) {
-  DFLASH_CHECK(launched == cudaSuccess, op, ": launch failed: ", cudaGetErrorString(launched));
-  const cudaError_t done = cudaDeviceSynchronize();
-  DFLASH_CHECK(done == cudaSuccess, op, ": kernel failed: ", cudaGetErrorString(done));
-}
 
 // The SampleParams of R rows on the device, freed with the object.
 class DeviceParams {
@@ -97,8 +73,8 @@ void cuda_embedding(const Any& table, const I32& ids, const Any& out, const I32&
                        out.shape(1) == table.shape(1) && bad_id.size() >= 1,
                    "embedding: table [V, H], ids [T], out [T, H], bad_id [1]");
   use_device(table.device_id());
-  finish("embedding", cuda::embedding(bf16_ptr(table, "table"), ids.data(), ids.size(),
-                                      table.shape(1), table.shape(0), bf16_ptr(out, "out"),
+  finish("embedding", cuda::embedding(bf16(table, "table"), ids.data(), ids.size(),
+                                      table.shape(1), table.shape(0), bf16(out, "out"),
                                       bad_id.data(), nullptr));
 }
 
@@ -107,8 +83,8 @@ void cuda_rms_norm(const Any& x, const Any& w, float eps, const Any& out) {
   DFLASH_ARG_CHECK(h > 0 && numel(x) % h == 0 && numel(out) == numel(x),
                    "rms_norm: x [R, H], w [H], out [R, H]");
   use_device(x.device_id());
-  finish("rms_norm", cuda::rms_norm(bf16_ptr(x, "x"), bf16_ptr(w, "w"), numel(x) / h, h, eps,
-                                    bf16_ptr(out, "out"), nullptr));
+  finish("rms_norm", cuda::rms_norm(bf16(x, "x"), bf16(w, "w"), numel(x) / h, h, eps,
+                                    bf16(out, "out"), nullptr));
 }
 
 void cuda_add_rms_norm(const Any& residual, const Any& x, const Any& w, float eps,
@@ -119,8 +95,8 @@ void cuda_add_rms_norm(const Any& residual, const Any& x, const Any& w, float ep
                    "add_rms_norm: residual [R, H], x [R, H], w [H], out [R, H]");
   use_device(x.device_id());
   finish("add_rms_norm",
-         cuda::add_rms_norm(bf16_ptr(residual, "residual"), bf16_ptr(x, "x"), bf16_ptr(w, "w"),
-                            numel(x) / h, h, eps, bf16_ptr(out, "out"), nullptr));
+         cuda::add_rms_norm(bf16(residual, "residual"), bf16(x, "x"), bf16(w, "w"),
+                            numel(x) / h, h, eps, bf16(out, "out"), nullptr));
 }
 
 void cuda_silu_mul(const Any& gate_up, const Any& out) {
@@ -128,27 +104,27 @@ void cuda_silu_mul(const Any& gate_up, const Any& out) {
                        gate_up.shape(1) == 2 * out.shape(1),
                    "silu_mul: gate_up [R, 2I], out [R, I]");
   use_device(out.device_id());
-  finish("silu_mul", cuda::silu_mul(bf16_ptr(gate_up, "gate_up"), out.shape(0), out.shape(1),
-                                    bf16_ptr(out, "out"), nullptr));
+  finish("silu_mul", cuda::silu_mul(bf16(gate_up, "gate_up"), out.shape(0), out.shape(1),
+                                    bf16(out, "out"), nullptr));
 }
 
 void cuda_add(const Any& a, const Any& b, const Any& out) {
   DFLASH_ARG_CHECK(numel(a) == numel(b) && numel(a) == numel(out), "add: a, b, out of one size");
   use_device(out.device_id());
-  finish("add", cuda::add(bf16_ptr(a, "a"), bf16_ptr(b, "b"), numel(a), bf16_ptr(out, "out"),
+  finish("add", cuda::add(bf16(a, "a"), bf16(b, "b"), numel(a), bf16(out, "out"),
                           nullptr));
 }
 
 void cuda_bf16_to_f32(const Any& x, const F32& out) {
   DFLASH_ARG_CHECK(numel(x) == static_cast<int64_t>(out.size()), "bf16_to_f32: x, out of one size");
   use_device(x.device_id());
-  finish("bf16_to_f32", cuda::bf16_to_f32(bf16_ptr(x, "x"), numel(x), out.data(), nullptr));
+  finish("bf16_to_f32", cuda::bf16_to_f32(bf16(x, "x"), numel(x), out.data(), nullptr));
 }
 
 void cuda_f32_to_bf16(const F32& x, const Any& out) {
   DFLASH_ARG_CHECK(numel(out) == static_cast<int64_t>(x.size()), "f32_to_bf16: x, out of one size");
   use_device(out.device_id());
-  finish("f32_to_bf16", cuda::f32_to_bf16(x.data(), x.size(), bf16_ptr(out, "out"), nullptr));
+  finish("f32_to_bf16", cuda::f32_to_bf16(x.data(), x.size(), bf16(out, "out"), nullptr));
 }
 
 void cuda_qkv_norm_rope(const Any& qkv, const std::optional<Any>& q_norm,
@@ -164,10 +140,10 @@ void cuda_qkv_norm_rope(const Any& qkv, const std::optional<Any>& q_norm,
                    "q [T, nh, hd], k, v [T, nkv, hd]");
   use_device(qkv.device_id());
   finish("qkv_norm_rope",
-         cuda::qkv_norm_rope(bf16_ptr(qkv, "qkv"), bf16_ptr(q_norm, "q_norm"),
-                             bf16_ptr(k_norm, "k_norm"), eps, positions.data(), inv_freq.data(), t,
-                             num_heads, num_kv_heads, head_dim, bf16_ptr(q, "q"), bf16_ptr(k, "k"),
-                             bf16_ptr(v, "v"), nullptr));
+         cuda::qkv_norm_rope(bf16(qkv, "qkv"), bf16(q_norm, "q_norm"),
+                             bf16(k_norm, "k_norm"), eps, positions.data(), inv_freq.data(), t,
+                             num_heads, num_kv_heads, head_dim, bf16(q, "q"), bf16(k, "k"),
+                             bf16(v, "v"), nullptr));
 }
 
 void cuda_qkv_norm_rope_write(const Any& qkv, const std::optional<Any>& q_norm, const std::optional<Any>& k_norm,
@@ -183,10 +159,10 @@ void cuda_qkv_norm_rope_write(const Any& qkv, const std::optional<Any>& q_norm, 
                    "q [T, nh, hd], pools [S, nkv hd]");
   use_device(qkv.device_id());
   finish("qkv_norm_rope_write",
-         cuda::qkv_norm_rope_write(bf16_ptr(qkv, "qkv"), bf16_ptr(q_norm, "q_norm"), bf16_ptr(k_norm, "k_norm"), eps,
+         cuda::qkv_norm_rope_write(bf16(qkv, "qkv"), bf16(q_norm, "q_norm"), bf16(k_norm, "k_norm"), eps,
                                    positions.data(), inv_freq.data(), slots.data(), t, num_heads, num_kv_heads,
-                                   head_dim, bf16_ptr(q, "q"), bf16_ptr(k_pool, "k_pool"),
-                                   bf16_ptr(v_pool, "v_pool"), nullptr));
+                                   head_dim, bf16(q, "q"), bf16(k_pool, "k_pool"),
+                                   bf16(v_pool, "v_pool"), nullptr));
 }
 
 void cuda_kv_write(const Any& k, const Any& v, const I32& slots, const Any& k_pool,
@@ -196,9 +172,9 @@ void cuda_kv_write(const Any& k, const Any& v, const I32& slots, const Any& k_po
                        numel(k_pool) == numel(v_pool) && numel(k_pool) % (numel(k) / t) == 0,
                    "kv_write: k, v [T, row], slots [T], pools [S, row]");
   use_device(k.device_id());
-  finish("kv_write", cuda::kv_write(bf16_ptr(k, "k"), bf16_ptr(v, "v"), slots.data(), t,
-                                    numel(k) / t, bf16_ptr(k_pool, "k_pool"),
-                                    bf16_ptr(v_pool, "v_pool"), nullptr));
+  finish("kv_write", cuda::kv_write(bf16(k, "k"), bf16(v, "v"), slots.data(), t,
+                                    numel(k) / t, bf16(k_pool, "k_pool"),
+                                    bf16(v_pool, "v_pool"), nullptr));
 }
 
 void cuda_kv_norm_rope_write(const Any& kv, const std::optional<Any>& k_norm, float eps,
@@ -214,9 +190,9 @@ void cuda_kv_norm_rope_write(const Any& kv, const std::optional<Any>& k_norm, fl
                    "pools [S, nkv hd]");
   use_device(kv.device_id());
   finish("kv_norm_rope_write",
-         cuda::kv_norm_rope_write(bf16_ptr(kv, "kv"), bf16_ptr(k_norm, "k_norm"), eps,
+         cuda::kv_norm_rope_write(bf16(kv, "kv"), bf16(k_norm, "k_norm"), eps,
                                   positions.data(), inv_freq.data(), slots.data(), t, num_kv_heads,
-                                  head_dim, bf16_ptr(k_pool, "k_pool"), bf16_ptr(v_pool, "v_pool"),
+                                  head_dim, bf16(k_pool, "k_pool"), bf16(v_pool, "v_pool"),
                                   nullptr));
 }
 
@@ -233,10 +209,10 @@ void cuda_kv_norm_rope_write_layers(const Any& kv, const std::optional<Any>& k_n
                    "inv_freq [hd/2], pools [L, S, nkv hd]");
   use_device(kv.device_id());
   finish("kv_norm_rope_write_layers",
-         cuda::kv_norm_rope_write_layers(bf16_ptr(kv, "kv"), bf16_ptr(k_norm, "k_norm"), eps, positions.data(),
+         cuda::kv_norm_rope_write_layers(bf16(kv, "kv"), bf16(k_norm, "k_norm"), eps, positions.data(),
                                          inv_freq.data(), slots.data(), t, num_layers, num_kv_heads, head_dim,
-                                         numel(k_pool) / num_layers, bf16_ptr(k_pool, "k_pool"),
-                                         bf16_ptr(v_pool, "v_pool"), nullptr));
+                                         numel(k_pool) / num_layers, bf16(k_pool, "k_pool"),
+                                         bf16(v_pool, "v_pool"), nullptr));
 }
 
 void cuda_argmax_rows(const Any& logits, const I32& out) {
@@ -247,8 +223,15 @@ void cuda_argmax_rows(const Any& logits, const I32& out) {
   if (logits.dtype() == nb::dtype<float>()) {
     finish("argmax_rows", cuda::argmax_rows(static_cast<const float*>(logits.data()), rows, vocab, out.data(), nullptr));
   } else {
-    finish("argmax_rows", cuda::argmax_rows(bf16_ptr(logits, "logits"), rows, vocab, out.data(), nullptr));
+    finish("argmax_rows", cuda::argmax_rows(bf16(logits, "logits"), rows, vocab, out.data(), nullptr));
   }
+}
+
+void cuda_nonfinite_rows(const F32& logits, const I32& flags) {
+  DFLASH_ARG_CHECK(logits.ndim() == 2 && static_cast<int64_t>(flags.size()) == static_cast<int64_t>(logits.shape(0)),
+                   "nonfinite_rows: logits [R, V], flags [R]");
+  use_device(logits.device_id());
+  finish("nonfinite_rows", cuda::nonfinite_rows(logits.data(), logits.shape(0), logits.shape(1), flags.data(), nullptr));
 }
 
 void cuda_assemble_drafts(const I32& proposed, const I32& override_drafts, const I32& use_override, const I32& drafts,
@@ -279,8 +262,8 @@ void cuda_copy_columns(const Any& src, const Any& dst, int64_t col) {
                        col >= 0 && col + static_cast<int64_t>(src.shape(1)) <= static_cast<int64_t>(dst.shape(1)),
                    "copy_columns: src [R, C], dst [R, W], col + C <= W");
   use_device(src.device_id());
-  finish("copy_columns", cuda::copy_columns(bf16_ptr(src, "src"), src.shape(0), src.shape(1),
-                                            bf16_ptr(dst, "dst"), dst.shape(1), col, nullptr));
+  finish("copy_columns", cuda::copy_columns(bf16(src, "src"), src.shape(0), src.shape(1),
+                                            bf16(dst, "dst"), dst.shape(1), col, nullptr));
 }
 
 void cuda_sample(const F32& logits, const std::vector<float>& temperature,
@@ -370,14 +353,6 @@ bool check_gemm(const Any& x, const Any& w, const Any& out, const char* op) {
 
 // stream: a cudaStream_t as an integer (torch.cuda.current_stream().cuda_stream): launch there and
 // return; None: launch on the default stream and synchronise.
-void launched(const char* op, cudaError_t e, const std::optional<uintptr_t>& stream) {
-  if (stream) {
-    DFLASH_CHECK(e == cudaSuccess, op, ": launch failed: ", cudaGetErrorString(e));
-  } else {
-    finish(op, e);
-  }
-}
-
 void cuda_skinny_gemm(const Any& x, const Any& w, const Any& out, std::optional<uintptr_t> stream, int warps,
                       int row_tiles, int unroll) {
   const bool f32 = check_gemm(x, w, out, "skinny_gemm");
@@ -387,10 +362,8 @@ void cuda_skinny_gemm(const Any& x, const Any& w, const Any& out, std::optional<
   config.row_tiles = row_tiles;
   config.unroll = unroll;
   const cudaStream_t s = stream ? reinterpret_cast<cudaStream_t>(*stream) : nullptr;
-  launched("skinny_gemm",
-           cuda::skinny_gemm(bf16_ptr(x, "x"), bf16_ptr(w, "w"), x.shape(0), w.shape(0), x.shape(1), f32,
-                             out.data(), s, &config),
-           stream);
+  run("skinny_gemm", stream,
+      cuda::skinny_gemm(bf16(x, "x"), bf16(w, "w"), x.shape(0), w.shape(0), x.shape(1), f32, out.data(), s, &config));
 }
 
 // The fused skinny GEMM: mode "rms_norm" (inp [M, K] normalised with gamma [K]), "silu_mul" (inp
@@ -408,7 +381,7 @@ void cuda_skinny_gemm_fused(const Any& inp, const Any& w, const Any& out, const 
     f.input = cuda::SkinnyInput::kRmsNorm;
     DFLASH_ARG_CHECK(gamma.has_value() && gamma->ndim() == 1 && gamma->shape(0) == w.shape(1),
                      "skinny_gemm_fused: rms_norm needs gamma [K]");
-    f.gamma = bf16_ptr(*gamma, "gamma");
+    f.gamma = bf16(*gamma, "gamma");
   } else if (mode == "silu_mul") {
     f.input = cuda::SkinnyInput::kSiluMul;
     in_cols = 2 * w.shape(1);
@@ -418,20 +391,20 @@ void cuda_skinny_gemm_fused(const Any& inp, const Any& w, const Any& out, const 
   DFLASH_ARG_CHECK(inp.shape(1) == in_cols, "skinny_gemm_fused: inp has ", inp.shape(1), " columns, expected ",
                    in_cols);
   use_device(inp.device_id());
-  const __nv_bfloat16* in = bf16_ptr(inp, "inp");
-  const __nv_bfloat16* wp = bf16_ptr(w, "w");
+  const __nv_bfloat16* in = bf16(inp, "inp");
+  const __nv_bfloat16* wp = bf16(w, "w");
   DFLASH_ARG_CHECK(cuda::skinny_gemm_fused_supports(in, wp, inp.shape(0), w.shape(1), f),
                    "skinny_gemm_fused: unsupported (M <= 16, K % 8 == 0, 16-byte aligned, shared memory)");
   finish("skinny_gemm_fused", cuda::skinny_gemm_fused(in, wp, inp.shape(0), w.shape(0), w.shape(1), f,
-                                                      bf16_ptr(out, "out"), nullptr));
+                                                      bf16(out, "out"), nullptr));
 }
 
 // The CUDA backend's cuBLASLt path (one handle and a 32 MiB workspace for the process, kept
 // until exit), as the reference of the skinny GEMM benchmarks.
 void cuda_cublaslt_gemm(const Any& x, const Any& w, const Any& out, std::optional<uintptr_t> stream) {
   const bool f32 = check_gemm(x, w, out, "cublaslt_gemm");
-  bf16_ptr(x, "x");
-  bf16_ptr(w, "w");
+  bf16(x, "x");
+  bf16(w, "w");
   use_device(x.device_id());
   static CublasLtGemm* gemm = nullptr;
   if (gemm == nullptr) {
@@ -443,7 +416,7 @@ void cuda_cublaslt_gemm(const Any& x, const Any& w, const Any& out, std::optiona
   }
   const cudaStream_t s = stream ? reinterpret_cast<cudaStream_t>(*stream) : nullptr;
   gemm->linear(x.data(), w.data(), out.data(), x.shape(0), w.shape(0), x.shape(1), f32, s);
-  launched("cublaslt_gemm", cudaGetLastError(), stream);
+  run("cublaslt_gemm", stream, cudaGetLastError());
 }
 
 // The CUDA decode attention (cuda/decode_attention.cu) with the argument names of
@@ -456,48 +429,19 @@ int cuda_decode_attention(const Any& q, const Any& k_pool, const Any& v_pool, co
                           int32_t max_query_len, int32_t max_kv_len, std::optional<Any> workspace,
                           std::optional<I32> counters, int32_t force_splits, std::optional<uintptr_t> stream,
                           bool symmetric_window) {
-  DFLASH_ARG_CHECK(q.ndim() == 3 && out.ndim() == 3 && k_pool.ndim() == 4 && v_pool.ndim() == 4 &&
-                       block_table.ndim() == 2 && query_start.size() == kv_len.size() + 1 &&
-                       block_table.shape(0) == kv_len.size(),
-                   "decode_attention: q/out [T, nh, hd], pools [blocks, block_size, nkv, hd], query_start "
-                   "[S + 1], kv_len [S], block_table [S, max_blocks]");
-  use_device(q.device_id());
-  cuda::DecodeAttentionArgs a;
-  a.q = bf16_ptr(q, "q");
-  a.k_pool = bf16_ptr(k_pool, "k_pool");
-  a.v_pool = bf16_ptr(v_pool, "v_pool");
-  a.out = bf16_ptr(out, "out");
-  a.query_start = query_start.data();
-  a.kv_len = kv_len.data();
-  a.block_table = block_table.data();
-  a.num_seqs = static_cast<int32_t>(kv_len.size());
-  a.num_tokens = static_cast<int32_t>(q.shape(0));
-  a.num_heads = static_cast<int32_t>(q.shape(1));
-  a.head_dim = static_cast<int32_t>(q.shape(2));
-  a.num_kv_heads = static_cast<int32_t>(k_pool.shape(2));
-  a.block_size = static_cast<int32_t>(k_pool.shape(1));
-  a.max_blocks_per_seq = static_cast<int32_t>(block_table.shape(1));
-  a.max_query_len = max_query_len;
-  a.max_kv_len = max_kv_len;
-  a.causal = causal;
-  a.window = window;
-  a.symmetric_window = symmetric_window;
-  if (workspace) {
-    a.workspace = workspace->data();
-    a.workspace_bytes = workspace->nbytes();
-  }
+  PagedAttentionArgs a = paged_attention_args(q, k_pool, v_pool, out, query_start, kv_len, block_table, causal,
+                                              window, symmetric_window, max_query_len, max_kv_len, workspace,
+                                              force_splits);
   if (counters) {
     a.counters = counters->data();
     a.counter_slots = static_cast<int64_t>(counters->size());
   }
-  a.force_splits = force_splits;
   const char* why = cuda::decode_attention_check(a);
   DFLASH_ARG_CHECK(why == nullptr, "decode_attention: ", why ? why : "");
   DFLASH_ARG_CHECK(force_splits >= 0 && force_splits <= cuda::decode_attention_max_splits(),
                    "decode_attention: force_splits out of range");
   const int splits = cuda::decode_attention_splits(a);
-  launched("decode_attention", cuda::decode_attention(a, stream ? reinterpret_cast<cudaStream_t>(*stream) : nullptr),
-           stream);
+  run("decode_attention", stream, cuda::decode_attention(a, as_stream(stream)));
   return splits;
 }
 
@@ -515,12 +459,10 @@ void cuda_topk_candidates(const F32& logits, int64_t k, float multiplier, float 
                        (!counters || counters->size() >= logits.shape(0)),
                    "topk_candidates: logits [R, V], ids and unary [R, k], counters [R]");
   use_device(logits.device_id());
-  launched("topk_candidates",
-           cuda::topk_candidates(logits.data(), logits.shape(0), logits.shape(1), k, multiplier, softcap, ids.data(),
-                                 unary.data(), workspace ? workspace->data() : nullptr,
-                                 workspace ? workspace->nbytes() : 0, counters ? counters->data() : nullptr,
-                                 stream ? reinterpret_cast<cudaStream_t>(*stream) : nullptr),
-           stream);
+  run("topk_candidates", stream,
+      cuda::topk_candidates(logits.data(), logits.shape(0), logits.shape(1), k, multiplier, softcap, ids.data(),
+                            unary.data(), workspace ? workspace->data() : nullptr, workspace ? workspace->nbytes() : 0,
+                            counters ? counters->data() : nullptr, as_stream(stream)));
 }
 
 }  // namespace
@@ -559,6 +501,7 @@ void bind_cuda_testing(nb::module_& m) {
         "eps"_a, "positions"_a, "inv_freq"_a, "slots"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "q"_a,
         "k_pool"_a, "v_pool"_a);
   m.def("cuda_argmax_rows", &cuda_argmax_rows, "logits"_a, "out"_a);
+  m.def("cuda_nonfinite_rows", &cuda_nonfinite_rows, "logits"_a, "flags"_a);
   m.def("cuda_assemble_drafts", &cuda_assemble_drafts, "proposed"_a, "override_drafts"_a, "use_override"_a,
         "drafts"_a, "verify_ids"_a);
   m.def("cuda_gather_rows", &cuda_gather_rows, "x"_a, "rows"_a, "out"_a);

@@ -129,6 +129,16 @@ nb::object cpu_linear(const F32Array& x, const F32Array& w, int num_threads, con
   return to_numpy_2d(out, static_cast<int64_t>(w.shape(0)));
 }
 
+// The CPU backend's non-finite row flags of logits [R, V]: int32 [R] (1: a NaN or an infinity).
+std::vector<int32_t> cpu_nonfinite_rows(const F32Array& logits) {
+  DFLASH_ARG_CHECK(logits.ndim() == 2, "nonfinite_rows: logits [R, V]");
+  CpuBackend backend(1);
+  const int64_t rows = logits.shape(0);
+  Tensor flags = backend.empty({rows}, DType::kI32);
+  backend.nonfinite_rows(wrap(logits, DType::kF32), flags);
+  return std::vector<int32_t>(flags.ptr<int32_t>(), flags.ptr<int32_t>() + rows);
+}
+
 // The CPU backend's DFlash2 top-K: (ids [R * K] int32, unary [R, K]), for
 // kernel tests (ties, -inf and NaN rows).
 nb::object cpu_topk_candidates(const F32Array& logits, int64_t k, float multiplier, float softcap) {
@@ -266,6 +276,8 @@ NB_MODULE(_core, m) {
               "softcap"_a = 0.0f, "The CPU backend's exact re-score of candidates: (ids [R, K], unary [R, K]).");
   testing.def("cpu_grouped_conv", &cpu_grouped_conv, "x"_a, "base"_a, "deltas"_a, "side"_a, "block"_a, "group"_a,
               "The CPU backend's DFlash2 grouped dynamic conv (one side): out [N, H].");
+  testing.def("cpu_nonfinite_rows", &cpu_nonfinite_rows, "logits"_a,
+              "The CPU backend's row flags: 1 where a row of logits [R, V] holds a NaN or an infinity.");
   testing.def("cpu_linear", &cpu_linear, "x"_a, "w"_a, "num_threads"_a = 2, "cpu_gemm"_a = "auto",
               "The CPU backend's linear layer x @ w.T (cpu_gemm picks the kernel: auto or blas).");
   // Adaptive speculation's policy (runtime/spec_policy.h) on synthetic cost tables: rows
@@ -441,6 +453,7 @@ NB_MODULE(_core, m) {
       .def_ro("num_forward_tokens", &EngineStats::num_forward_tokens)
       .def_ro("num_generated_tokens", &EngineStats::num_generated_tokens)
       .def_ro("num_requests_finished", &EngineStats::num_requests_finished)
+      .def_ro("num_nonfinite_requests", &EngineStats::num_nonfinite_requests)
       .def_ro("num_spec_steps", &EngineStats::num_spec_steps)
       .def_ro("num_drafted", &EngineStats::num_drafted)
       .def_ro("num_accepted", &EngineStats::num_accepted)

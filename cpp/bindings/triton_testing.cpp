@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "bindings/cuda_testing_util.h"
 #include "common/error.h"
 #include "cuda_driver/driver_api.h"
 #include "triton_kernels/lattice_walk.h"
@@ -28,12 +29,12 @@ using namespace nb::literals;
 namespace {
 
 using dflash::InvalidArgument;
-using dflash::triton_aot::PagedAttentionArgs;
+using dflash::PagedAttentionArgs;
 using dflash::triton_aot::PagedAttentionPlan;
-using dflash::triton_aot::PagedAttentionVariant;
-using CudaArray = nb::ndarray<nb::device::cuda, nb::c_contig>;
-using CudaI32 = nb::ndarray<int32_t, nb::device::cuda, nb::c_contig>;
-using CudaF32 = nb::ndarray<float, nb::device::cuda, nb::c_contig>;
+using dflash::PagedAttentionVariant;
+using CudaArray = dflash::testing_bindings::Any;
+using CudaI32 = dflash::testing_bindings::I32;
+using CudaF32 = dflash::testing_bindings::F32;
 
 // Loaded once and never unloaded: destroying it at interpreter exit could run after the CUDA
 // context is gone.
@@ -42,11 +43,6 @@ const dflash::triton_aot::Modules& test_modules() {
   static const dflash::triton_aot::Modules* modules = nullptr;
   std::call_once(once, [] { modules = new dflash::triton_aot::Modules(); });
   return *modules;
-}
-
-bool is_bf16(const CudaArray& a) {
-  return a.dtype().code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) &&
-         a.dtype().bits == 16 && a.dtype().lanes == 1;
 }
 
 const char* variant_name(PagedAttentionVariant v) {
@@ -67,58 +63,12 @@ nb::tuple triton_paged_attention(const CudaArray& q, const CudaArray& k_pool,
                                  int32_t max_query_len, int32_t max_kv_len,
                                  std::optional<CudaArray> workspace, int32_t force_variant,
                                  int32_t force_splits, uintptr_t stream, bool symmetric_window) {
-  DFLASH_ARG_CHECK(q.ndim() == 3 && out.ndim() == 3 && k_pool.ndim() == 4 && v_pool.ndim() == 4,
-                   "q/out [T, num_heads, head_dim], pools [num_blocks, block_size, "
-                   "num_kv_heads, head_dim]");
-  DFLASH_ARG_CHECK(is_bf16(q) && is_bf16(k_pool) && is_bf16(v_pool) && is_bf16(out),
-                   "q, k_pool, v_pool and out must be bfloat16");
-  for (int d = 0; d < 3; ++d) {
-    DFLASH_ARG_CHECK(out.shape(d) == q.shape(d), "out must have q's shape");
-  }
-  for (int d = 0; d < 4; ++d) {
-    DFLASH_ARG_CHECK(k_pool.shape(d) == v_pool.shape(d), "k_pool and v_pool shapes differ");
-  }
-  DFLASH_ARG_CHECK(k_pool.shape(3) == q.shape(2), "pool head_dim differs from q's");
-  DFLASH_ARG_CHECK(query_start.ndim() == 1 && kv_len.ndim() == 1 && block_table.ndim() == 2 &&
-                       query_start.shape(0) == kv_len.shape(0) + 1 &&
-                       block_table.shape(0) == kv_len.shape(0),
-                   "query_start [num_seqs + 1], kv_len [num_seqs], block_table [num_seqs, "
-                   "max_blocks_per_seq]");
-  const int32_t device = q.device_id();
-  DFLASH_ARG_CHECK(k_pool.device_id() == device && v_pool.device_id() == device &&
-                       out.device_id() == device && query_start.device_id() == device &&
-                       kv_len.device_id() == device && block_table.device_id() == device,
-                   "all tensors must be on one device");
-
-  PagedAttentionArgs a;
-  a.q = q.data();
-  a.k_pool = k_pool.data();
-  a.v_pool = v_pool.data();
-  a.out = out.data();
-  a.query_start = query_start.data();
-  a.kv_len = kv_len.data();
-  a.block_table = block_table.data();
-  a.num_seqs = static_cast<int32_t>(kv_len.shape(0));
-  a.num_tokens = static_cast<int32_t>(q.shape(0));
-  a.num_heads = static_cast<int32_t>(q.shape(1));
-  a.head_dim = static_cast<int32_t>(q.shape(2));
-  a.num_kv_heads = static_cast<int32_t>(k_pool.shape(2));
-  a.block_size = static_cast<int32_t>(k_pool.shape(1));
-  a.max_blocks_per_seq = static_cast<int32_t>(block_table.shape(1));
-  a.max_query_len = max_query_len;
-  a.max_kv_len = max_kv_len;
-  a.causal = causal;
-  a.window = window;
-  a.symmetric_window = symmetric_window;
-  if (workspace.has_value()) {
-    DFLASH_ARG_CHECK(workspace->device_id() == device, "workspace must be on q's device");
-    a.workspace = workspace->data();
-    a.workspace_bytes = workspace->nbytes();
-  }
+  PagedAttentionArgs a = dflash::testing_bindings::paged_attention_args(
+      q, k_pool, v_pool, out, query_start, kv_len, block_table, causal, window, symmetric_window, max_query_len,
+      max_kv_len, workspace, force_splits);
   DFLASH_ARG_CHECK(force_variant >= 0 && force_variant <= 2,
                    "force_variant: 0 auto, 1 prefill, 2 decode");
   a.force_variant = static_cast<PagedAttentionVariant>(force_variant);
-  a.force_splits = force_splits;
 
   const dflash::triton_aot::Modules& modules = test_modules();
   PagedAttentionPlan plan;

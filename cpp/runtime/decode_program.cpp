@@ -54,6 +54,7 @@ DecodePrograms::DecodePrograms(Backend& backend, Transformer& target, KVPool& ta
   StepOutputs<int64_t> out_capacity{};
   out_capacity.tokens = out_capacity.num_accepted = out_capacity.next_token = bmax;
   out_capacity.drafts = bmax * n_;
+  out_capacity.nonfinite = rows;
   out_layout_ = StepOutputLayout(out_capacity);
   in_dev_ = backend_.zeros({in_layout_.words()}, DType::kI32);
   out_dev_ = backend_.zeros({out_layout_.words()}, DType::kI32);
@@ -158,7 +159,8 @@ void DecodePrograms::issue(int64_t b, int64_t n, const std::function<void(int)>&
     d.meta.causal = true;
     d.all_logit_rows = true;
     ForwardResult fwd = target_.forward(d, target_pool_);
-    Tensor tokens = out_.tokens.rows(0, b);
+    Tensor tokens = out_.tokens.rows(0, b), nonfinite = out_.nonfinite.rows(0, b);
+    backend_.nonfinite_rows(fwd.logits, nonfinite);
     backend_.sample_rows(fwd.logits, params, tokens);
     last_logits_ = fwd.logits;
     return;

@@ -99,6 +99,9 @@ class DecodePrograms {
   const int32_t* drafts() const { return host_outputs(read_slot_).drafts; }
   const int32_t* num_accepted() const { return host_outputs(read_slot_).num_accepted; }
   const int32_t* next_token() const { return host_outputs(read_slot_).next_token; }
+  // 1 where a logit row holds a NaN or an infinity: AR and n = 0 [R] (the sampled rows);
+  // speculative [R * (n + 1)] (the verify rows of request r from r * (n + 1)).
+  const int32_t* nonfinite() const { return host_outputs(read_slot_).nonfinite; }
   // AR: the logits [padded rows, V] (fp32) of the last run, on the backend (valid until the next
   // step); for recordings.
   const Tensor& last_logits() const { return last_logits_; }

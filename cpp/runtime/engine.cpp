@@ -322,7 +322,7 @@ std::vector<StepOutput> Engine::finish_pending(bool allow_next) {
   if (allow_next && can_pipeline(cur.rows, cur.dead)) next = launch_ahead(cur.rows, cur.dead, /*fed=*/true);
   programs_->wait_step(cur.slot);
   stats_.num_steps += 1;
-  std::vector<StepOutput> outputs = commit_ar(cur.rows, cur.dead, programs_->tokens());
+  std::vector<StepOutput> outputs = commit_ar(cur.rows, cur.dead, programs_->tokens(), programs_->nonfinite());
   if (next) {  // requests that ended in this step: their rows of the next one are dropped
     for (size_t j = 0; j < next->rows.size(); ++j) {
       next->dead[j] = next->rows[j]->status == RequestStatus::kFinished;
@@ -340,7 +340,7 @@ void Engine::drain() {
 }
 
 std::vector<StepOutput> Engine::commit_ar(const std::vector<Request*>& rows, const std::vector<bool>& dead,
-                                          const int32_t* sampled) {
+                                          const int32_t* sampled, const int32_t* nonfinite) {
   const Clock::time_point now = Clock::now();
   std::vector<StepOutput> outputs;
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -351,7 +351,7 @@ std::vector<StepOutput> Engine::commit_ar(const std::vector<Request*>& rows, con
     Request* r = rows[i];
     r->num_computed += 1;
     stats_.num_forward_tokens += 1;
-    outputs.push_back(emit_sampled(r, sampled[i], now));
+    outputs.push_back(emit_sampled(r, sampled[i], nonfinite[i] != 0, now));
   }
   return outputs;
 }
@@ -364,13 +364,37 @@ void Engine::finish_if_done(Request* r, const StepOutput& out) {
   }
 }
 
-StepOutput Engine::emit_sampled(Request* r, int32_t sampled, Clock::time_point now) {
+StepOutput Engine::emit_sampled(Request* r, int32_t sampled, bool nonfinite, Clock::time_point now) {
   const size_t k = r->output.size();
-  const int32_t token = k < r->input.forced_tokens.size() ? r->input.forced_tokens[k] : sampled;
+  const bool forced = k < r->input.forced_tokens.size();
   StepOutput out;
-  emit(r, {token}, now, &out);
+  if (nonfinite && !forced) {
+    out.request_id = r->id;
+    r->metrics.num_steps += 1;
+    fail_nonfinite(r, &out);
+    return out;
+  }
+  emit(r, {forced ? r->input.forced_tokens[k] : sampled}, now, &out);
   finish_if_done(r, out);
   return out;
+}
+
+void Engine::fail_nonfinite(Request* r, StepOutput* out) {
+  out->finished = true;
+  out->finish_reason = "error";
+  stats_.num_nonfinite_requests += 1;
+  finish_if_done(r, *out);
+}
+
+std::vector<int32_t> Engine::nonfinite_rows(const Tensor& logits) {
+  const int64_t n = logits.dim(0);
+  std::vector<int32_t> host(static_cast<size_t>(n), 0);
+  if (n == 0) return host;
+  Tensor flags = backend_.empty({n}, DType::kI32);
+  backend_.nonfinite_rows(logits, flags);
+  backend_.copy_to_host(host.data(), flags, static_cast<size_t>(n) * sizeof(int32_t));
+  backend_.synchronize();
+  return host;
 }
 
 std::vector<StepOutput> Engine::autoregressive_decode(const std::vector<Request*>& running,
@@ -393,6 +417,7 @@ std::vector<StepOutput> Engine::autoregressive_decode(const std::vector<Request*
   if (overlap && !any_record) overlap();  // recorded logits live in the arena the overlap reuses
   programs_->wait();
   const int32_t* sampled = programs_->tokens();
+  const int32_t* nonfinite = programs_->nonfinite();
   const int64_t vocab = model_.config().vocab_size;
   std::vector<float> host_logits;
   if (any_record) {
@@ -409,7 +434,7 @@ std::vector<StepOutput> Engine::autoregressive_decode(const std::vector<Request*
     if (r->input.record_logits) {
       r->logits.insert(r->logits.end(), host_logits.begin() + i * vocab, host_logits.begin() + (i + 1) * vocab);
     }
-    outputs.push_back(emit_sampled(r, sampled[i], now));
+    outputs.push_back(emit_sampled(r, sampled[i], nonfinite[i] != 0, now));
   }
   return outputs;
 }
@@ -445,17 +470,17 @@ std::vector<StepOutput> Engine::autoregressive_step(const std::vector<PrefillChu
   ForwardResult fwd = model_.forward(batch, pool_);
   const int64_t vocab = model_.config().vocab_size;
 
-  std::vector<int32_t> sampled(samples.size());
+  std::vector<int32_t> sampled(samples.size()), nonfinite(samples.size(), 0);
   if (!samples.empty()) {
-    if (sample_idx.size() == batch.logit_rows.size()) {
-      backend_.sample(fwd.logits, samples, sampled.data());
-    } else {
+    Tensor picked = fwd.logits;
+    if (sample_idx.size() != batch.logit_rows.size()) {
       std::vector<int32_t> idx(sample_idx.begin(), sample_idx.end());
       const int64_t n = static_cast<int64_t>(idx.size());
-      Tensor picked = backend_.empty({n, vocab}, DType::kF32);
+      picked = backend_.empty({n, vocab}, DType::kF32);
       backend_.gather_rows(fwd.logits, backend_.upload_i32(idx.data(), {n}), picked);
-      backend_.sample(picked, samples, sampled.data());
     }
+    backend_.sample(picked, samples, sampled.data());
+    nonfinite = nonfinite_rows(picked);
   }
 
   // Recordings (tests and debugging) copy to the host.
@@ -493,7 +518,10 @@ std::vector<StepOutput> Engine::autoregressive_step(const std::vector<PrefillChu
       }
     }
     r->num_computed = end;
-    if (samples_here) outputs.push_back(emit_sampled(r, sampled[next_sample++], now));
+    if (samples_here) {
+      outputs.push_back(emit_sampled(r, sampled[next_sample], nonfinite[next_sample] != 0, now));
+      ++next_sample;
+    }
   }
   return outputs;
 }

@@ -142,14 +142,23 @@ class Engine {
   std::vector<StepOutput> finish_pending(bool allow_next);
   // Finishes the step in flight without a successor; its outputs are returned by the next step().
   void drain();
-  // Emits one AR token per row (sampled[i] for rows[i], dead rows skipped).
+  // Emits one AR token per row (sampled[i] for rows[i], dead rows skipped; nonfinite[i]: its
+  // logits held a NaN or an infinity).
   std::vector<StepOutput> commit_ar(const std::vector<Request*>& rows, const std::vector<bool>& dead,
-                                    const int32_t* sampled);
+                                    const int32_t* sampled, const int32_t* nonfinite);
   // Bookkeeping after a request emitted `out`.
   void finish_if_done(Request* r, const StepOutput& out);
   // Emits one sampled token (or the request's forced token at this index) and finishes the
-  // request when a stop condition holds.
-  StepOutput emit_sampled(Request* r, int32_t sampled, Clock::time_point now);
+  // request when a stop condition holds. nonfinite: the row it was sampled from held a NaN or an
+  // infinity; the request then ends with finish_reason "error" instead (a forced token is still
+  // emitted: it does not come from the logits).
+  StepOutput emit_sampled(Request* r, int32_t sampled, bool nonfinite, Clock::time_point now);
+  // Ends a request whose next token would come from non-finite logits: finish_reason "error",
+  // nothing emitted; `out` (already holding what this step emitted, if anything) is finished.
+  void fail_nonfinite(Request* r, StepOutput* out);
+  // Host flags of logits[R, V] (fp32, on the backend): 1 where a row holds a NaN or an infinity
+  // (an eager step's sampled rows; one small device->host copy).
+  std::vector<int32_t> nonfinite_rows(const Tensor& logits);
 
   Transformer& model_;
   Backend& backend_;

@@ -49,7 +49,7 @@ struct Request {
   int64_t max_computed = 0;
   BlockTable blocks;
   RequestStatus status = RequestStatus::kWaiting;
-  std::string finish_reason;     // "stop", "length" or "abort"
+  std::string finish_reason;     // "stop", "length", "abort" or "error" (non-finite logits)
   RequestMetrics metrics;
   Clock::time_point arrival, first_token, finished_at;
   std::vector<float> logits;     // [num recorded rows, V] when recording

@@ -188,7 +188,7 @@ void Scheduler::finish(Request* req, const std::string& reason) {
   auto it = std::find_if(running_.begin(), running_.end(),
                          [&](const std::unique_ptr<Request>& r) { return r.get() == req; });
   DFLASH_CHECK(it != running_.end(), "finish() of a request that is not running");
-  cache_full_blocks(*req);
+  if (reason != "error") cache_full_blocks(*req);  // an error's K/V may hold the NaN: never shared
   req->blocks.release(allocator_);
   req->status = RequestStatus::kFinished;
   req->finish_reason = reason;

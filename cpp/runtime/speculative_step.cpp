@@ -63,8 +63,11 @@ std::vector<StepOutput> Engine::speculative_prefill(const std::vector<PrefillChu
     if (c.samples()) rows.push_back(sample_row_of(*c.req, c.end()));
   }
   ForwardResult fwd = model_.forward(batch, pool_);
-  std::vector<int32_t> sampled(rows.size());
-  if (!rows.empty()) backend_.sample(fwd.logits, rows, sampled.data());
+  std::vector<int32_t> sampled(rows.size()), nonfinite(rows.size(), 0);
+  if (!rows.empty()) {
+    backend_.sample(fwd.logits, rows, sampled.data());
+    nonfinite = nonfinite_rows(fwd.logits);
+  }
   stats_.num_forward_tokens += batch.num_tokens();
   // Every row is context; written before the tokens are emitted (which may finish a request and
   // free its blocks; nothing allocates them before the next step, whose writes come later).
@@ -77,7 +80,10 @@ std::vector<StepOutput> Engine::speculative_prefill(const std::vector<PrefillChu
     Request* r = c.req;
     const bool samples = c.samples();
     r->num_computed = c.end();
-    if (samples) outputs.push_back(emit_sampled(r, sampled[next++], now));
+    if (samples) {
+      outputs.push_back(emit_sampled(r, sampled[next], nonfinite[next] != 0, now));
+      ++next;
+    }
   }
   return outputs;
 }
@@ -114,6 +120,8 @@ void DecodePrograms::issue_speculative(DeviceBatch& d, int64_t n, const Tensor& 
   ForwardResult fwd = target_.forward(v, target_pool_);
   mark(1);
   Tensor accepted = out_.num_accepted.rows(0, b), next = out_.next_token.rows(0, b);
+  Tensor nonfinite = out_.nonfinite.rows(0, t);
+  backend_.nonfinite_rows(fwd.logits, nonfinite);
   if (kind != ProposalKind::kOneHot) {  // cand_ids empty for dense proposals
     backend_.accept_candidates(drafts, proposal.cand_ids, proposal.realized, fwd.logits, params, accepted, next);
   } else {
@@ -140,7 +148,8 @@ void DecodePrograms::issue_context_step(DeviceBatch& d, const Tensor& params, co
   d.want_taps = true;
   ForwardResult fwd = target_.forward(d, target_pool_);
   mark(1);
-  Tensor next = out_.next_token.rows(0, b);
+  Tensor next = out_.next_token.rows(0, b), nonfinite = out_.nonfinite.rows(0, b);
+  backend_.nonfinite_rows(fwd.logits, nonfinite);
   backend_.sample_rows(fwd.logits, params, next);
   mark(2);
   drafter_->update_context(fwd.taps, d.positions, d.slots, *draft_pool_);
@@ -198,13 +207,26 @@ std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& 
   const int32_t* drafts = programs_->drafts();
   const int32_t* accepted = programs_->num_accepted();
   const int32_t* next = programs_->next_token();
+  const int32_t* nonfinite = programs_->nonfinite();
   const Clock::time_point now = Clock::now();
   std::vector<StepOutput> outputs;
   for (size_t i = 0; i < running.size(); ++i) {
     Request* r = running[i];
-    const int64_t a = n > 0 ? accepted[i] : 0;
+    int64_t a = n > 0 ? accepted[i] : 0;
+    // The rows the outcome read are 0..a (row j judges draft j; row a gave the next token). From
+    // the first of them holding a NaN or an infinity on, nothing is emitted: the drafts it
+    // accepted before it stand (as target-only decoding would have emitted them), then the
+    // request ends with finish_reason "error".
+    int64_t bad = -1;
+    for (int64_t j = 0; j <= a; ++j) {
+      if (nonfinite[static_cast<int64_t>(i) * (n + 1) + j] != 0) {
+        bad = j;
+        break;
+      }
+    }
+    if (bad >= 0) a = bad;
     std::vector<int32_t> emitted(drafts + i * n, drafts + i * n + a);
-    emitted.push_back(next[i]);
+    if (bad < 0) emitted.push_back(next[i]);
     RequestMetrics& m = r->metrics;
     if (n > 0) {  // draft-verify steps (an AR step of adaptive speculation drafts nothing)
       m.num_spec_steps += 1;
@@ -219,7 +241,7 @@ std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& 
       }
     }
     if (policy_) policy_->observe(r->id, n, a);
-    r->num_computed += a + 1;  // the anchor and the accepted drafts
+    r->num_computed += bad < 0 ? a + 1 : a;  // the anchor and the accepted drafts (finite rows only)
     r->blocks.truncate(r->num_computed);  // drop the K/V of rejected drafts (O(1))
     StepOutput out;
     const int64_t appended = emit(r, emitted, now, &out);
@@ -227,7 +249,11 @@ std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& 
       m.num_spec_emitted += appended;
       stats_.num_spec_emitted += appended;
     }
-    finish_if_done(r, out);
+    if (bad >= 0 && !out.finished) {
+      fail_nonfinite(r, &out);
+    } else {
+      finish_if_done(r, out);
+    }
     outputs.push_back(std::move(out));
   }
   return outputs;

@@ -38,6 +38,8 @@ struct StepOutputs {
   F drafts;        // [B * n] the verified drafts
   F num_accepted;  // [B]
   F next_token;    // [B] the bonus / correction token
+  F nonfinite;     // [B * q] 1 where a logit row (AR: the sampled row; speculative: verify row j of
+                   // request r at r * (n + 1) + j) holds a NaN or an infinity
 };
 
 constexpr int64_t kSampleParamWords = static_cast<int64_t>(sizeof(SampleParamsPacked) / sizeof(int32_t));
@@ -52,7 +54,7 @@ void step_inputs_visit(Fn fn, S&... s) {
 
 template <class Fn, class... S>
 void step_outputs_visit(Fn fn, S&... s) {
-  fn(s.tokens...), fn(s.drafts...), fn(s.num_accepted...), fn(s.next_token...);
+  fn(s.tokens...), fn(s.drafts...), fn(s.num_accepted...), fn(s.next_token...), fn(s.nonfinite...);
 }
 
 // Word offsets and capacities of the fields of T (StepInputs or StepOutputs) in one buffer; each

@@ -15,6 +15,9 @@ struct EngineStats {
   int64_t num_forward_tokens = 0;
   int64_t num_generated_tokens = 0;
   int64_t num_requests_finished = 0;
+  // Requests ended with finish_reason "error": the logits their next token came from held a NaN
+  // or an infinity (counted among the finished too).
+  int64_t num_nonfinite_requests = 0;
   // Speculative decoding, summed over requests.
   int64_t num_spec_steps = 0;
   int64_t num_drafted = 0;

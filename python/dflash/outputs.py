@@ -40,7 +40,9 @@ class RequestOutput:
     text: generated text (special tokens skipped, cut before a matched stop string).
     token_ids: generated token ids (including a final EOS / stop token when one ended it).
     finish_reason: "stop" (EOS, stop token or stop string) or "length" (max_tokens or
-        max_model_len); "abort" for a request ended by Session.abort or Session.close.
+        max_model_len); "abort" for a request ended by Session.abort or Session.close; "error" when
+        the logits of its next token held a NaN or an infinity (the text is what came before; no
+        other request is affected).
     """
 
     prompt: Optional[str]
@@ -59,8 +61,8 @@ class StreamOutput:
     request_id: the request (Session.abort takes it). text: new text (never half a multi-byte
     character; text that could start a stop string is held back until decided). token_ids: new
     token ids. The deltas of a stream concatenate to what generate() returns for the same request.
-    finish_reason: None until the last item; then "stop", "length" or "abort" (Session.abort,
-    or the session closing), and metrics holds the request's metrics.
+    finish_reason: None until the last item; then "stop", "length", "abort" (Session.abort,
+    or the session closing) or "error" (non-finite logits), and metrics holds the request's metrics.
     """
 
     request_id: int

@@ -581,6 +581,7 @@ class Session:
             "num_forward_tokens": e.num_forward_tokens,
             "num_generated_tokens": e.num_generated_tokens,
             "num_requests_finished": e.num_requests_finished,
+            "num_nonfinite_requests": e.num_nonfinite_requests,
             "draft_weight_bytes": s.draft_weight_bytes,
             "draft_kv_cache_bytes": s.draft_kv_cache_bytes,
             "num_speculative_tokens": s.num_speculative_tokens,

@@ -49,6 +49,7 @@ class CpuBackend final : public Backend {
 
   // Device-side step ops and staging (cpu_device_steps.cpp).
   void argmax(const Tensor& logits, Tensor& out) override;
+  void nonfinite_rows(const Tensor& logits, Tensor& flags) override;
   void sample_rows(const Tensor& logits, const Tensor& params, Tensor& tokens) override;
   void accept(const Tensor& drafts, const Tensor& logits, const Tensor& params, Tensor& num_accepted,
               Tensor& next_token) override;

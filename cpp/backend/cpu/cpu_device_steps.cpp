@@ -1,8 +1,9 @@
-// The CPU backend's device-side step ops (argmax, sampling and acceptance into tensors, draft
-// assembly, the drafter's all-layer context write) and its host staging. "Device" memory is
-// host memory here, so copies are memcpy and everything runs at once; the results equal what
-// the host-side paths (host_sampling.h, host_acceptance.h) give.
+// The CPU backend's device-side step ops (argmax, non-finite row flags, sampling and acceptance
+// into tensors, draft assembly, the drafter's all-layer context write) and its host staging.
+// "Device" memory is host memory here, so copies are memcpy and everything runs at once; the
+// results equal what the host-side paths (host_sampling.h, host_acceptance.h) give.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -33,6 +34,20 @@ void CpuBackend::argmax(const Tensor& logits, Tensor& out) {
         if (row[i] > row[best]) best = i;
       }
       out.ptr<int32_t>()[r] = static_cast<int32_t>(best);
+    }
+  });
+}
+
+void CpuBackend::nonfinite_rows(const Tensor& logits, Tensor& flags) {
+  DFLASH_CHECK(logits.dtype == DType::kF32, "nonfinite_rows: logits must be float32");
+  const int64_t rows = logits.dim(0), vocab = logits.dim(1);
+  DFLASH_CHECK(flags.numel() >= rows, "nonfinite_rows: flags hold ", flags.numel(), " rows, logits ", rows);
+  parallel(rows, vocab, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = logits.ptr<float>() + r * vocab;
+      bool bad = false;
+      for (int64_t i = 0; i < vocab; ++i) bad |= !std::isfinite(row[i]);
+      flags.ptr<int32_t>()[r] = bad ? 1 : 0;
     }
   });
 }

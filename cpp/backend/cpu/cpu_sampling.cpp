@@ -19,7 +19,7 @@ void filtered_distribution(const float* logits, int64_t vocab, const SampleRow& 
   std::iota(ids->begin(), ids->end(), 0);
   int64_t n = vocab;
   if (use_top_k || use_top_p) {
-    auto by_logit = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+    auto by_logit = [&](int32_t a, int32_t b) { return logit_ranks_before(logits, a, b); };
     if (use_top_k) {
       n = row.top_k;
       std::partial_sort(ids->begin(), ids->begin() + n, ids->end(), by_logit);

@@ -13,14 +13,6 @@ namespace dflash {
 
 namespace {
 
-// a ranks before b: larger value first, NaN last, lower id first on ties.
-bool ranks_before(const float* v, int32_t a, int32_t b) {
-  const bool na = std::isnan(v[a]), nb = std::isnan(v[b]);
-  if (na != nb) return nb;
-  if (!na && v[a] != v[b]) return v[a] > v[b];
-  return a < b;
-}
-
 // The index of the largest entry of row[K] (NaN as -inf; lowest index on ties; 0 if all -inf).
 int64_t argmax_finite(const float* row, int64_t k) {
   int64_t best = 0;
@@ -58,7 +50,7 @@ void topk_row(const float* logits, int64_t vocab, int64_t k, float multiplier, f
   std::vector<int32_t> order(vocab);
   std::iota(order.begin(), order.end(), 0);
   std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                    [&](int32_t a, int32_t b) { return ranks_before(logits, a, b); });
+                    [&](int32_t a, int32_t b) { return logit_ranks_before(logits, a, b); });
   for (int64_t i = 0; i < k; ++i) {
     ids[i] = order[i];
     float v = logits[order[i]];

@@ -3,12 +3,23 @@
 // (Gumbel-max on the counter-based Philox stream keyed by (seed, position, token id)).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "backend/backend.h"
 
 namespace dflash {
+
+// The order of logits v[] that sampling and top-K sort by: larger first, lower id first on ties,
+// NaN after every number (a strict weak order even on rows holding NaN, which std::sort needs;
+// the engine never emits a token sampled from such a row).
+inline bool logit_ranks_before(const float* v, int32_t a, int32_t b) {
+  const bool na = std::isnan(v[a]), nb = std::isnan(v[b]);
+  if (na != nb) return nb;
+  if (!na && v[a] != v[b]) return v[a] > v[b];
+  return a < b;
+}
 
 // The tokens kept by top-k / top-p at row.temperature (> 0) and their probabilities, which sum
 // to 1. Without filters every token is kept, in id order.

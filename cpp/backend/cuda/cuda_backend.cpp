@@ -30,37 +30,6 @@ void check_bf16(const Tensor& t, const char* what) {
   DFLASH_CHECK(t.dtype == DType::kBF16 && t.device == DeviceKind::kCUDA, what, ": expected a bf16 CUDA tensor");
 }
 
-// The Triton launch's arguments as the CUDA decode kernel's (the same fields and meanings), with
-// its split counters.
-cuda::DecodeAttentionArgs as_decode_args(const triton_aot::PagedAttentionArgs& a, int32_t* counters, int64_t slots) {
-  cuda::DecodeAttentionArgs d;
-  d.q = a.q;
-  d.k_pool = a.k_pool;
-  d.v_pool = a.v_pool;
-  d.out = a.out;
-  d.query_start = a.query_start;
-  d.kv_len = a.kv_len;
-  d.block_table = a.block_table;
-  d.num_seqs = a.num_seqs;
-  d.num_tokens = a.num_tokens;
-  d.num_heads = a.num_heads;
-  d.num_kv_heads = a.num_kv_heads;
-  d.head_dim = a.head_dim;
-  d.block_size = a.block_size;
-  d.max_blocks_per_seq = a.max_blocks_per_seq;
-  d.max_query_len = a.max_query_len;
-  d.max_kv_len = a.max_kv_len;
-  d.causal = a.causal;
-  d.window = a.window;
-  d.symmetric_window = a.symmetric_window;
-  d.scale = a.scale;
-  d.workspace = a.workspace;
-  d.workspace_bytes = a.workspace_bytes;
-  d.counters = counters;
-  d.counter_slots = slots;
-  return d;
-}
-
 // kernels.gemm: "cublaslt" sends every linear layer to cuBLASLt; "skinny" every one the skinny
 // kernel supports (up to kSkinnyGemmRows rows); "auto": the skinny kernel only for
 // small weights (N x K <= 4096 x 4096), where it measured faster than cuBLASLt on the H200
@@ -337,7 +306,7 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
                                   Tensor& out) {
   const int64_t row = pool.num_kv_heads * pool.head_dim;
   const int64_t layer_elems = pool.num_blocks * pool.block_size * row;
-  triton_aot::PagedAttentionArgs a{};
+  PagedAttentionArgs a{};
   a.q = q.data;
   a.k_pool = bf(pool.k) + layer * layer_elems;
   a.v_pool = bf(pool.v) + layer * layer_elems;
@@ -362,11 +331,12 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
   // stream); the split count follows max_kv_len and what fits in it.
   a.workspace = attention_workspace_;
   a.workspace_bytes = attention_workspace_bytes_;
+  a.counters = attention_counters_;  // the CUDA decode kernel's split-KV counters
+  a.counter_slots = kAttentionCounterSlots;
   if (cuda_decode_attention_ && int64_t{meta.num_seqs} * pool.num_kv_heads <= kCudaDecodeMaxPairs) {
     // few rows per (sequence, KV head), few pairs: the CUDA decode kernel
-    const cuda::DecodeAttentionArgs d = as_decode_args(a, attention_counters_, kAttentionCounterSlots);
-    if (cuda::decode_attention_check(d) == nullptr) {
-      DFLASH_CUDA_CHECK(cuda::decode_attention(d, stream_));
+    if (cuda::decode_attention_check(a) == nullptr) {
+      DFLASH_CUDA_CHECK(cuda::decode_attention(a, stream_));
       return;
     }
   }
@@ -420,6 +390,14 @@ void CudaBackend::argmax(const Tensor& logits, Tensor& out) {
     check_bf16(logits, "argmax");
     DFLASH_CUDA_CHECK(cuda::argmax_rows(bf(logits), rows, vocab, out.ptr<int32_t>(), stream_));
   }
+}
+
+void CudaBackend::nonfinite_rows(const Tensor& logits, Tensor& flags) {
+  DFLASH_CHECK(logits.dtype == DType::kF32, "nonfinite_rows: logits must be float32");
+  DFLASH_CHECK(flags.numel() >= logits.dim(0), "nonfinite_rows: flags hold ", flags.numel(), " rows, logits ",
+               logits.dim(0));
+  DFLASH_CUDA_CHECK(cuda::nonfinite_rows(logits.ptr<float>(), logits.dim(0), logits.dim(1), flags.ptr<int32_t>(),
+                                         stream_));
 }
 
 void CudaBackend::sample_rows(const Tensor& logits, const Tensor& params, Tensor& tokens) {

@@ -75,6 +75,7 @@ class CudaBackend final : public Backend {
   void sample(const Tensor& logits, const std::vector<SampleRow>& rows, int32_t* tokens_out) override;
 
   void argmax(const Tensor& logits, Tensor& out) override;
+  void nonfinite_rows(const Tensor& logits, Tensor& flags) override;
   void sample_rows(const Tensor& logits, const Tensor& params, Tensor& tokens) override;
   void accept(const Tensor& drafts, const Tensor& logits, const Tensor& params, Tensor& num_accepted,
               Tensor& next_token) override;
