@@ -233,7 +233,7 @@ def torch_walk(edges, ids):
 
 
 def packed_params(reqs: int, temperature: float = 0.0):
-    """SampleParamsPacked (backend.h) of `reqs` requests as bytes: temperature, top_k, top_p, seed
+    """SampleRow (cpp/common/sample_row.h) of `reqs` requests as bytes: temperature, top_k, top_p, seed
     lo/hi, padding, position (the first draft's)."""
     import numpy as np
 

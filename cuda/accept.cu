@@ -24,7 +24,7 @@ constexpr int kClusterMaxSeqs = 16;  // 128 blocks: one wave on an H200's 132 SM
 
 // The outcome of row j of one request: the argmax (greedy), or the draw without the draft with
 // p(draft) (j < n) / the bonus draw (j == n). Block-wide; the same value in every thread.
-__device__ inline sampling::Draw row_outcome(const float* row, int vocab, const SampleParams& p,
+__device__ inline sampling::Draw row_outcome(const float* row, int vocab, const SampleRow& p,
                                              int64_t j, int64_t n, int draft,
                                              sampling::SampleSmem& s) {
   if (!(p.temperature > 0.0f)) return sampling::Draw{sampling::row_argmax(row, vocab, s), 0.0f};
@@ -36,7 +36,7 @@ __device__ inline sampling::Draw row_outcome(const float* row, int vocab, const 
 }
 
 // True when row j's outcome ends the walk (mismatch / rejection / bonus row).
-__device__ __forceinline__ bool row_ends(const SampleParams& p, int64_t j, int64_t n, int draft,
+__device__ __forceinline__ bool row_ends(const SampleRow& p, int64_t j, int64_t n, int draft,
                                          const sampling::Draw& d) {
   if (j == n) return true;
   if (!(p.temperature > 0.0f)) return draft != d.token;
@@ -49,10 +49,10 @@ __device__ __forceinline__ bool row_ends(const SampleParams& p, int64_t j, int64
 // One block per request.
 static __global__ void __launch_bounds__(sampling::kThreads)
     accept_drafts_kernel(const int32_t* drafts, const float* logits, int64_t n, int vocab,
-                         const SampleParams* params, int32_t* num_accepted, int32_t* next_token) {
+                         const SampleRow* params, int32_t* num_accepted, int32_t* next_token) {
   __shared__ sampling::SampleSmem s;
   const int64_t r = blockIdx.x;
-  const SampleParams p = params[r];
+  const SampleRow p = params[r];
   int64_t j = 0;
   sampling::Draw d{};
   for (;; ++j) {
@@ -69,7 +69,7 @@ static __global__ void __launch_bounds__(sampling::kThreads)
 // The same with a cluster of kCluster blocks per request (n + 1 <= kCluster * kRowsPerBlock).
 static __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(sampling::kThreads)
     accept_drafts_cluster_kernel(const int32_t* drafts, const float* logits, int64_t n, int vocab,
-                                 const SampleParams* params, int32_t* num_accepted,
+                                 const SampleRow* params, int32_t* num_accepted,
                                  int32_t* next_token) {
   __shared__ sampling::SampleSmem s;
   __shared__ sampling::Draw outcome[kRowsPerBlock];
@@ -77,7 +77,7 @@ static __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(sampli
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int64_t r = blockIdx.x / kCluster;
-  const SampleParams p = params[r];
+  const SampleRow p = params[r];
   for (int64_t j = rank, k = 0; j <= n; j += kCluster, ++k) {
     const int draft = j < n ? drafts[r * n + j] : -1;
     const sampling::Draw d = row_outcome(logits + (r * (n + 1) + j) * vocab, vocab, p, j, n, draft, s);
@@ -98,7 +98,7 @@ static __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(sampli
 }
 
 cudaError_t accept_drafts(const int32_t* drafts, const float* logits, int64_t num_seqs, int64_t n,
-                          int64_t vocab, const SampleParams* params, int32_t* num_accepted,
+                          int64_t vocab, const SampleRow* params, int32_t* num_accepted,
                           int32_t* next_token, cudaStream_t stream) {
   if (num_seqs <= 0) return cudaSuccess;
   if (n < 0 || vocab <= 0 || vocab > INT32_MAX / 2 || num_seqs > INT32_MAX / kCluster) {

@@ -285,7 +285,7 @@ __device__ inline int residual_draw(const sampling::Row& r, const sampling::Kept
 
 // The outcome of row j (< n) of a request at T > 0 (kDense: ids is null). Block-wide.
 template <bool kDense>
-__device__ inline Outcome sampled_row(const float* row, int vocab, const SampleParams& p, int64_t j,
+__device__ inline Outcome sampled_row(const float* row, int vocab, const SampleRow& p, int64_t j,
                                       int draft, const int32_t* ids, const float* realized, int k,
                                       AcceptSmem& sm) {
   const float inv_t = 1.0f / p.temperature;
@@ -318,7 +318,7 @@ __device__ inline Outcome sampled_row(const float* row, int vocab, const SampleP
 template <bool kDense>
 __device__ inline Outcome row_outcome(const int32_t* drafts, const int32_t* cand_ids,
                                       const float* realized, int k, const float* logits, int64_t r,
-                                      int64_t j, int64_t n, int vocab, const SampleParams& p,
+                                      int64_t j, int64_t n, int vocab, const SampleRow& p,
                                       AcceptSmem& sm) {
   const float* row = logits + (r * (n + 1) + j) * vocab;
   const int draft = j < n ? drafts[r * n + j] : -1;
@@ -344,11 +344,11 @@ template <bool kDense>
 static __global__ void __launch_bounds__(kThreads)
     accept_candidates_kernel(const int32_t* drafts, const int32_t* cand_ids, const float* realized,
                              int k, const float* logits, int64_t n, int vocab,
-                             const SampleParams* params, int32_t* num_accepted,
+                             const SampleRow* params, int32_t* num_accepted,
                              int32_t* next_token) {
   __shared__ AcceptSmem sm;
   const int64_t r = blockIdx.x;
-  const SampleParams p = params[r];
+  const SampleRow p = params[r];
   int64_t j = 0;
   Outcome o{};
   for (;; ++j) {
@@ -367,7 +367,7 @@ template <bool kDense>
 static __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads)
     accept_candidates_cluster_kernel(const int32_t* drafts, const int32_t* cand_ids,
                                      const float* realized, int k, const float* logits, int64_t n,
-                                     int vocab, const SampleParams* params, int32_t* num_accepted,
+                                     int vocab, const SampleRow* params, int32_t* num_accepted,
                                      int32_t* next_token) {
   __shared__ AcceptSmem sm;
   __shared__ Outcome outcome[kRowsPerBlock];
@@ -375,7 +375,7 @@ static __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThrea
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int64_t r = blockIdx.x / kCluster;
-  const SampleParams p = params[r];
+  const SampleRow p = params[r];
   for (int64_t j = rank, i = 0; j <= n; j += kCluster, ++i) {
     const Outcome o =
         row_outcome<kDense>(drafts, cand_ids, realized, k, logits, r, j, n, vocab, p, sm);
@@ -397,7 +397,7 @@ static __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThrea
 
 cudaError_t accept_candidates(const int32_t* drafts, const int32_t* cand_ids, const float* realized,
                               int64_t k, const float* logits, int64_t num_seqs, int64_t n,
-                              int64_t vocab, const SampleParams* params, int32_t* num_accepted,
+                              int64_t vocab, const SampleRow* params, int32_t* num_accepted,
                               int32_t* next_token, cudaStream_t stream) {
   if (num_seqs <= 0) return cudaSuccess;
   if (n < 0 || vocab <= 0 || vocab > INT32_MAX / 2 || num_seqs > INT32_MAX / kCluster) {

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "common/sample_row.h"
 #include "cuda/paged_attention_args.h"
 
 namespace dflash {
@@ -101,20 +102,11 @@ cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, i
 cudaError_t bf16_to_f32(const __nv_bfloat16* x, int64_t n, float* out, cudaStream_t stream);
 cudaError_t f32_to_bf16(const float* x, int64_t n, __nv_bfloat16* out, cudaStream_t stream);
 
-// Per-row sampling parameters on the device (mirrors dflash::SampleRow).
-struct SampleParams {
-  float temperature;  // <= 0: greedy
-  int32_t top_k;      // 0: off
-  float top_p;        // 1: off
-  uint32_t seed_lo, seed_hi;
-  int64_t position;   // absolute position of the sampled token (the Philox counter)
-};
-
 // tokens[R] = argmax / sample of logits[R, V] (fp32) with params[R]: Gumbel-max over the
 // tokens kept by top-k / top-p at the row's temperature, randomness from Philox keyed by
 // (seed, position, token id) on the target-sampling stream (common/philox.h, the same stream
 // definition as the CPU backend).
-cudaError_t sample(const float* logits, int64_t rows, int64_t vocab, const SampleParams* params, int32_t* tokens,
+cudaError_t sample(const float* logits, int64_t rows, int64_t vocab, const SampleRow* params, int32_t* tokens,
                    cudaStream_t stream);
 
 // Acceptance of n draft tokens per request without a host round trip per token.
@@ -126,7 +118,7 @@ cudaError_t sample(const float* logits, int64_t rows, int64_t vocab, const Sampl
 // on rejection draw from p without d, after a full accept draw the bonus from p.
 // Outputs num_accepted[R] (0..n) and next_token[R].
 cudaError_t accept_drafts(const int32_t* drafts, const float* logits, int64_t num_seqs, int64_t n, int64_t vocab,
-                          const SampleParams* params, int32_t* num_accepted, int32_t* next_token,
+                          const SampleRow* params, int32_t* num_accepted, int32_t* next_token,
                           cudaStream_t stream);
 
 // The drafter's context path after the stacked K/V GEMM: kv[C, 2 nkv hd] (K then V of one
@@ -217,14 +209,14 @@ cudaError_t edge_scores(const int32_t* ids, const float* unary, const float* gat
 // rows: as accept_drafts (greedy). Outputs num_accepted [R] (0..n), next_token [R].
 cudaError_t accept_candidates(const int32_t* drafts, const int32_t* cand_ids, const float* realized, int64_t k,
                               const float* logits, int64_t num_seqs, int64_t n, int64_t vocab,
-                              const SampleParams* params, int32_t* num_accepted, int32_t* next_token,
+                              const SampleRow* params, int32_t* num_accepted, int32_t* next_token,
                               cudaStream_t stream);
 
 // Probabilistic DFlash drafts: drafts[i] for row i of logits [rows, V] (fp32), request i / n with
 // params[i / n]: at T > 0 a Gumbel-max draw from softmax(logits / T), the noise
 // -log(-log(philox_uniform(seed, position + i % n, token, kStreamDraftSample))); at T = 0 the
 // argmax (lowest id on ties). Host reference: sample_draft_token (backend/cpu/host_candidates.h).
-cudaError_t sample_drafts(const float* logits, int64_t rows, int64_t n, int64_t vocab, const SampleParams* params,
+cudaError_t sample_drafts(const float* logits, int64_t rows, int64_t n, int64_t vocab, const SampleRow* params,
                           int32_t* drafts, cudaStream_t stream);
 
 // Paged decode attention (decode_attention.cu) for launches with max_query_len * group <= 16

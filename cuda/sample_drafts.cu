@@ -26,12 +26,12 @@ __device__ inline int argmax_finite(const float* row, int vocab, sampling::Sampl
 // (logit - max) * (1 / T) + g in fp32 (the same order up to rounding), so a different token needs
 // two scores within a few fp32 ulps of each other: astronomically rare on real logits.
 static __global__ void __launch_bounds__(sampling::kThreads)
-    sample_drafts_kernel(const float* logits, int vocab, int64_t n, const SampleParams* params,
+    sample_drafts_kernel(const float* logits, int vocab, int64_t n, const SampleRow* params,
                          int32_t* drafts) {
   __shared__ sampling::SampleSmem s;
   const int64_t i = blockIdx.x;
   const float* row = logits + i * vocab;
-  const SampleParams p = params[i / n];
+  const SampleRow p = params[i / n];
   int token = -1;
   if (p.temperature > 0.0f) {
     sampling::Row r{row, vocab, 0.0f, 1.0f / p.temperature};
@@ -53,7 +53,7 @@ static __global__ void __launch_bounds__(sampling::kThreads)
 }
 
 cudaError_t sample_drafts(const float* logits, int64_t rows, int64_t n, int64_t vocab,
-                          const SampleParams* params, int32_t* drafts, cudaStream_t stream) {
+                          const SampleRow* params, int32_t* drafts, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (n <= 0 || vocab <= 0 || vocab > INT32_MAX / 2 || rows > INT32_MAX) {
     return cudaErrorInvalidValue;

@@ -10,10 +10,10 @@ namespace cuda {
 
 // logits [R, V], params [R], tokens [R].
 static __global__ void __launch_bounds__(sampling::kThreads)
-    sample_kernel(const float* logits, int vocab, const SampleParams* params, int32_t* tokens) {
+    sample_kernel(const float* logits, int vocab, const SampleRow* params, int32_t* tokens) {
   __shared__ sampling::SampleSmem s;
   const float* row = logits + static_cast<int64_t>(blockIdx.x) * vocab;
-  const SampleParams p = params[blockIdx.x];
+  const SampleRow p = params[blockIdx.x];
   int token;
   if (p.temperature > 0.0f) {
     token = sampling::draw_row(row, vocab, p, p.position, -1, false, s).token;
@@ -24,7 +24,7 @@ static __global__ void __launch_bounds__(sampling::kThreads)
   if (threadIdx.x == 0) tokens[blockIdx.x] = token;
 }
 
-cudaError_t sample(const float* logits, int64_t rows, int64_t vocab, const SampleParams* params,
+cudaError_t sample(const float* logits, int64_t rows, int64_t vocab, const SampleRow* params,
                    int32_t* tokens, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (vocab <= 0 || vocab > INT32_MAX / 2 || rows > INT32_MAX) return cudaErrorInvalidValue;

@@ -657,12 +657,12 @@ __device__ inline Draw gumbel_draw(const Row& r, const Kept& kept, int excluded,
   return d;
 }
 
-__device__ __forceinline__ uint64_t seed_of(const SampleParams& p) {
-  return (static_cast<uint64_t>(p.seed_hi) << 32) | p.seed_lo;
+__device__ __forceinline__ uint64_t seed_of(const SampleRow& p) {
+  return (static_cast<uint64_t>(p.seed_hi) << 32) | p.seed_lo;  // SampleRow::seed() on the device
 }
 
 // One draw from row `logits` [vocab] at temperature > 0 with top-k / top-p, without `excluded`.
-__device__ inline Draw draw_row(const float* logits, int vocab, const SampleParams& p,
+__device__ inline Draw draw_row(const float* logits, int vocab, const SampleRow& p,
                                 int64_t position, int excluded, bool with_p, SampleSmem& s) {
   Row r{logits, vocab, 0.0f, 1.0f / p.temperature};
   float lmax_other;

@@ -19,7 +19,7 @@ namespace triton_aot {
 struct LatticeWalkArgs {
   // Device, contiguous. edges [num_reqs, slots, k, k] fp32: edges[b, s, p, c] scores candidate c
   // of slot s after candidate p of slot s - 1; ids [num_reqs, slots, k] int32 candidate token ids;
-  // params [num_reqs] SampleParamsPacked (backend/backend.h, 32 bytes: temperature, seed and the
+  // params [num_reqs] SampleRow (common/sample_row.h, 32 bytes: temperature, seed and the
   // position of the first draft are read).
   const float* edges = nullptr;
   const int32_t* ids = nullptr;

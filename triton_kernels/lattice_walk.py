@@ -19,7 +19,7 @@ formed in fp64 as there, and Philox-4x32-10 (cpp/common/philox.h) is redone in u
 arithmetic, so the GPU and CPU walks draft the same tokens for the same seed (up to the last
 bit of fp64 log, libdevice's against the host libm's).
 
-params [R] are SampleParamsPacked (cpp/backend/backend.h, 32 bytes) read as 8 int32 words:
+params [R] are SampleRow (cpp/common/sample_row.h, 32 bytes) read as 8 int32 words:
 temperature (word 0, fp32 bits), top_k, top_p, seed_lo, seed_hi, padding, position (words 6..7,
 int64). K <= BLOCK_K (a power of two); lanes >= K are masked: never selected, never written.
 
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-PARAM_WORDS = tl.constexpr(8)  # sizeof(SampleParamsPacked) / 4
+PARAM_WORDS = tl.constexpr(8)  # sizeof(SampleRow) / 4
 DRAFT_STREAM = tl.constexpr(1)  # cpp/common/philox.h kStreamDraftSample
 
 
@@ -73,7 +73,7 @@ def _first_max(key, lane, BLOCK_K: tl.constexpr):
 def lattice_walk_kernel(
         edges_ptr,  # fp32 [R, S, K, K]
         ids_ptr,  # int32 [R, S, K]
-        params_ptr,  # int32 words of SampleParamsPacked [R]
+        params_ptr,  # int32 words of SampleRow [R]
         drafts_ptr,  # int32 [R, S]
         realized_ptr,  # fp32 [R, S, K]
         num_slots, k,  # i32: S, K (1 <= K <= BLOCK_K)

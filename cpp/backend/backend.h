@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/sample_row.h"
 #include "common/tensor.h"
 #include "dflash/kernel_options.h"
 #include "weights/safetensors.h"
@@ -41,43 +42,6 @@ struct KVPool {
   Tensor k;  // [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
   Tensor v;  // same
 };
-
-// Per-row sampling parameters. temperature == 0 is greedy (argmax); top_k == 0 and
-// top_p == 1 disable those filters. The random stream is keyed by (seed, position), so a
-// request samples the same tokens alone or in any batch.
-struct SampleRow {
-  float temperature = 0.0f;
-  int32_t top_k = 0;
-  float top_p = 1.0f;
-  uint64_t seed = 0;
-  int64_t position = 0;  // absolute position of the token being sampled
-};
-
-// SampleRow as the device-side ops read it (same layout as cuda::SampleParams): one per row of a
-// tensor of dtype kU8 holding R * sizeof(SampleParamsPacked) bytes.
-struct SampleParamsPacked {
-  float temperature;
-  int32_t top_k;
-  float top_p;
-  uint32_t seed_lo, seed_hi;
-  int64_t position;
-};
-static_assert(sizeof(SampleParamsPacked) == 32, "SampleParamsPacked must match cuda::SampleParams");
-
-inline SampleParamsPacked sample_params_pack(const SampleRow& r) {
-  return SampleParamsPacked{r.temperature, r.top_k, r.top_p, static_cast<uint32_t>(r.seed),
-                            static_cast<uint32_t>(r.seed >> 32), r.position};
-}
-
-inline SampleRow sample_params_unpack(const SampleParamsPacked& p) {
-  SampleRow r;
-  r.temperature = p.temperature;
-  r.top_k = p.top_k;
-  r.top_p = p.top_p;
-  r.seed = (static_cast<uint64_t>(p.seed_hi) << 32) | p.seed_lo;
-  r.position = p.position;
-  return r;
-}
 
 // An FP8 (e4m3) copy of a weight w [V, H] with one fp32 scale per row (DFlash2's candidate
 // head): scale[v] = max_k |w[v, k]| / 448 (1 for an all-zero row), q[v, k] = e4m3(w[v, k] /
@@ -187,7 +151,7 @@ class Backend {
   // (the engine ends such a row's request with finish_reason "error" instead of sampling it).
   virtual void nonfinite_rows(const Tensor& logits, Tensor& flags) = 0;
   // tokens[R] (device int32) = one token per row of logits[R, V] (fp32) with the packed
-  // params[R] (see SampleParamsPacked); the same draws as `sample`.
+  // params[R] (SampleRow); the same draws as `sample`.
   virtual void sample_rows(const Tensor& logits, const Tensor& params, Tensor& tokens) = 0;
   // Acceptance of drafts[R, n] against logits[R, n + 1, V] (fp32) with params[R] (position =
   // the first draft's): num_accepted[R] and next_token[R] (backend/cpu/host_acceptance.h semantics).

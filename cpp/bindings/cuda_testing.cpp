@@ -1,6 +1,6 @@
 // Test-only bindings of the CUDA kernels of cuda/kernels.h, added to dflash._core.testing as
 // cuda_<op>. They take torch CUDA tensors (contiguous; outputs are passed in, nothing is
-// allocated here except the SampleParams array of the sampling / acceptance ops and the cuBLASLt
+// allocated here except the SampleRow array of the sampling / acceptance ops and the cuBLASLt
 // workspace of cublaslt_gemm), launch on the default stream, synchronise, and turn a CUDA error
 // into dflash::Error. The GEMMs (skinny_gemm, cublaslt_gemm) may instead launch on a given
 // stream without synchronising, for benchmarks and CUDA-graph capture.
@@ -31,7 +31,7 @@ using namespace testing_bindings;
 
 int64_t numel(const Any& a) { return static_cast<int64_t>(a.size()); }
 
-// The SampleParams of R rows on the device, freed with the object.
+// The SampleRow of R rows on the device, freed with the object.
 class DeviceParams {
  public:
   DeviceParams(const std::vector<float>& temperature, const std::vector<int32_t>& top_k,
@@ -41,19 +41,12 @@ class DeviceParams {
                          seed.size() == rows && position.size() == rows,
                      "temperature, top_k, top_p, seed and position need one entry per row (", rows,
                      ")");
-    std::vector<cuda::SampleParams> host(rows);
-    for (size_t r = 0; r < rows; ++r) {
-      host[r].temperature = temperature[r];
-      host[r].top_k = top_k[r];
-      host[r].top_p = top_p[r];
-      host[r].seed_lo = static_cast<uint32_t>(seed[r]);
-      host[r].seed_hi = static_cast<uint32_t>(seed[r] >> 32);
-      host[r].position = position[r];
-    }
+    std::vector<SampleRow> host(rows);
+    for (size_t r = 0; r < rows; ++r) host[r] = SampleRow(temperature[r], top_k[r], top_p[r], seed[r], position[r]);
     if (rows == 0) return;
-    cudaError_t e = cudaMalloc(&ptr_, rows * sizeof(cuda::SampleParams));
+    cudaError_t e = cudaMalloc(&ptr_, rows * sizeof(SampleRow));
     DFLASH_CHECK(e == cudaSuccess, "cudaMalloc: ", cudaGetErrorString(e));
-    e = cudaMemcpy(ptr_, host.data(), rows * sizeof(cuda::SampleParams), cudaMemcpyHostToDevice);
+    e = cudaMemcpy(ptr_, host.data(), rows * sizeof(SampleRow), cudaMemcpyHostToDevice);
     if (e != cudaSuccess) cudaFree(ptr_);
     DFLASH_CHECK(e == cudaSuccess, "cudaMemcpy: ", cudaGetErrorString(e));
   }
@@ -62,10 +55,10 @@ class DeviceParams {
   }
   DeviceParams(const DeviceParams&) = delete;
   DeviceParams& operator=(const DeviceParams&) = delete;
-  const cuda::SampleParams* get() const { return ptr_; }
+  const SampleRow* get() const { return ptr_; }
 
  private:
-  cuda::SampleParams* ptr_ = nullptr;
+  SampleRow* ptr_ = nullptr;
 };
 
 void cuda_embedding(const Any& table, const I32& ids, const Any& out, const I32& bad_id) {

@@ -84,25 +84,19 @@ nb::tuple triton_paged_attention(const CudaArray& q, const CudaArray& k_pool,
   return nb::make_tuple(variant_name(plan.variant), plan.num_splits, plan.block_m);
 }
 
-// SampleParamsPacked rows uploaded from host lists, freed with the object (not capturable).
+// SampleRow rows uploaded from host lists, freed with the object (not capturable).
 class UploadedParams {
  public:
   UploadedParams(const std::vector<float>& temperature, const std::vector<uint64_t>& seed,
                  const std::vector<int64_t>& position, size_t rows) {
     DFLASH_ARG_CHECK(temperature.size() == rows && seed.size() == rows && position.size() == rows,
                      "temperature, seed and position need one entry per request (", rows, ")");
-    std::vector<dflash::SampleParamsPacked> host(rows);
-    for (size_t r = 0; r < rows; ++r) {
-      dflash::SampleRow row;
-      row.temperature = temperature[r];
-      row.seed = seed[r];
-      row.position = position[r];
-      host[r] = dflash::sample_params_pack(row);
-    }
+    std::vector<dflash::SampleRow> host(rows);
+    for (size_t r = 0; r < rows; ++r) host[r] = dflash::SampleRow(temperature[r], 0, 1.0f, seed[r], position[r]);
     if (rows == 0) return;
-    cudaError_t e = cudaMalloc(&ptr_, rows * sizeof(dflash::SampleParamsPacked));
+    cudaError_t e = cudaMalloc(&ptr_, rows * sizeof(dflash::SampleRow));
     DFLASH_CHECK(e == cudaSuccess, "cudaMalloc: ", cudaGetErrorString(e));
-    e = cudaMemcpy(ptr_, host.data(), rows * sizeof(dflash::SampleParamsPacked),
+    e = cudaMemcpy(ptr_, host.data(), rows * sizeof(dflash::SampleRow),
                    cudaMemcpyHostToDevice);
     if (e != cudaSuccess) cudaFree(ptr_);
     DFLASH_CHECK(e == cudaSuccess, "cudaMemcpy: ", cudaGetErrorString(e));
@@ -118,7 +112,7 @@ class UploadedParams {
   void* ptr_ = nullptr;
 };
 
-// params: a CUDA tensor of num_reqs SampleParamsPacked (uint8 or int32, num_reqs * 32 bytes), or
+// params: a CUDA tensor of num_reqs SampleRow (uint8 or int32, num_reqs * 32 bytes), or
 // else the lists temperature / seed / position (uploaded here; then `stream` must be None).
 void triton_lattice_walk(const CudaF32& edges, const CudaI32& ids, std::optional<CudaArray> params,
                          const CudaI32& drafts, const CudaF32& realized,
@@ -148,10 +142,10 @@ void triton_lattice_walk(const CudaF32& edges, const CudaI32& ids, std::optional
   if (params.has_value()) {
     const bool byte_words = params->dtype() == nb::dtype<uint8_t>() ||
                             params->dtype() == nb::dtype<int32_t>();
-    DFLASH_ARG_CHECK(byte_words && params->nbytes() == r * sizeof(dflash::SampleParamsPacked) &&
+    DFLASH_ARG_CHECK(byte_words && params->nbytes() == r * sizeof(dflash::SampleRow) &&
                          params->device_id() == device,
                      "lattice_walk: params must be a uint8 or int32 CUDA tensor of R * ",
-                     sizeof(dflash::SampleParamsPacked), " bytes on the tensors' device");
+                     sizeof(dflash::SampleRow), " bytes on the tensors' device");
     a.params = params->data();
   } else {
     DFLASH_ARG_CHECK(temperature && seed && position && !stream,
@@ -209,7 +203,7 @@ void bind_triton_testing(nb::module_& testing) {
               "position"_a.none() = nb::none(), "stream"_a.none() = nb::none(), "greedy_walk"_a = false,
               "AOT Triton DFlash2 lattice walk over torch CUDA tensors: edges [R, S, K, K] fp32, "
               "ids [R, S, K] int32 -> drafts [R, S] int32, realized [R, S, K] fp32. params: R "
-              "SampleParamsPacked (uint8 / int32 CUDA tensor of R * 32 bytes), or None and the "
+              "SampleRow (uint8 / int32 CUDA tensor of R * 32 bytes), or None and the "
               "lists temperature, seed, position (of the first draft). stream: launch there and "
               "return; None: legacy default stream, synchronised. greedy_walk: the argmax walk at "
               "every temperature, realized one-hot (0 at the draft, -inf elsewhere). ValueError when k is outside "

@@ -113,8 +113,7 @@ void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b, int64_
                  "override drafts (a test hook) are one-hot proposals; this drafter proposes distributions");
     SampleRow s = real ? row.sample : SampleRow{};
     if (!real) s.position = 1;
-    const SampleParamsPacked p = sample_params_pack(s);
-    std::memcpy(h.params + r * kSampleParamWords, &p, sizeof(p));
+    std::memcpy(h.params + r * kSampleParamWords, &s, sizeof(s));
     int32_t* table = h.block_table + r * width_;
     if (real) {
       const std::vector<int32_t>& blocks = row.blocks->blocks();
@@ -150,7 +149,7 @@ void DecodePrograms::issue(int64_t b, int64_t n, const std::function<void(int)>&
   d.meta.block_table = in_.block_table.rows(0, b * width_).reshape({b, width_});
   Tensor params = in_.params.rows(0, b * kSampleParamWords);
   params.dtype = DType::kU8;
-  params.shape = {b * static_cast<int64_t>(sizeof(SampleParamsPacked))};
+  params.shape = {b * static_cast<int64_t>(sizeof(SampleRow))};
 
   if (!drafter_) {
     if (config_.feed) {  // pipelined steps: anchors from the previous step's tokens (before they are overwritten)

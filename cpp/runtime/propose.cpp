@@ -102,11 +102,10 @@ void Engine::propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* d
     }
     SampleRow greedy;
     greedy.position = p + 1;
-    const SampleParamsPacked packed = sample_params_pack(greedy);
-    Tensor params = backend_.upload_i32(reinterpret_cast<const int32_t*>(&packed),
-                                        {static_cast<int64_t>(sizeof(packed) / 4)});
+    Tensor params = backend_.upload_i32(reinterpret_cast<const int32_t*>(&greedy),
+                                        {static_cast<int64_t>(sizeof(greedy) / 4)});
     params.dtype = DType::kU8;
-    params.shape = {static_cast<int64_t>(sizeof(packed))};
+    params.shape = {static_cast<int64_t>(sizeof(greedy))};
     drafter.propose(d, *spec_.pool, backend_.upload_i32(&anchor, {1}), params, out);
     *drafts = download_i32(backend_, out.drafts);
     if (details && drafter.proposal_kind() == ProposalKind::kCandidates) {

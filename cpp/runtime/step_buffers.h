@@ -2,7 +2,7 @@
 // with its capacity, laid out back to back in one buffer so that a step stages its inputs with
 // one host->device copy and returns its outputs with one device->host copy. The same layout
 // gives device views (Tensor) and host pointers (into pinned staging memory); all fields are
-// int32 (the sampling parameters as SampleParamsPacked words).
+// int32 (the sampling parameters as SampleRow words).
 #pragma once
 
 #include <cstdint>
@@ -26,7 +26,7 @@ struct StepInputs {
   F logit_rows;       // [B * n] the draft rows 1..n of each block
   F override_drafts;  // [B * n] drafts to verify instead of the drafter's (test hook)
   F use_override;     // [B]
-  F params;           // [B * kSampleParamWords] SampleParamsPacked per request
+  F params;           // [B * kSampleParamWords] SampleRow per request
   F feed;             // [B] pipelined AR: the row of the previous step's tokens giving the anchor
   F anchors;          // [B] the blocks' first tokens
   F block_table;      // [B, width] (last: a step of b requests copies only its b rows)
@@ -42,7 +42,7 @@ struct StepOutputs {
                    // request r at r * (n + 1) + j) holds a NaN or an infinity
 };
 
-constexpr int64_t kSampleParamWords = static_cast<int64_t>(sizeof(SampleParamsPacked) / sizeof(int32_t));
+constexpr int64_t kSampleParamWords = static_cast<int64_t>(sizeof(SampleRow) / sizeof(int32_t));
 
 // fn(a.field, b.field, ...) for every field of the structs, in layout order (the one list of them).
 template <class Fn, class... S>

@@ -44,12 +44,7 @@ void expect_distribution(const std::vector<int>& counts, const std::vector<doubl
 }
 
 SampleRow row_at(float temperature, uint64_t seed, int64_t position, int32_t top_k = 0) {
-  SampleRow r;
-  r.temperature = temperature;
-  r.top_k = top_k;
-  r.seed = seed;
-  r.position = position;
-  return r;
+  return SampleRow(temperature, top_k, 1.0f, seed, position);
 }
 
 int draw(const std::vector<double>& q, std::mt19937_64& rng) {

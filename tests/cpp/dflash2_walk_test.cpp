@@ -29,16 +29,12 @@ class DFlash2Walk : public ::testing::Test {
   }
   // One packed SampleRow per request.
   Tensor params(const std::vector<SampleRow>& rows) {
-    Tensor t = backend.empty({static_cast<int64_t>(rows.size() * sizeof(SampleParamsPacked))}, DType::kU8);
-    for (size_t i = 0; i < rows.size(); ++i) t.ptr<SampleParamsPacked>()[i] = sample_params_pack(rows[i]);
+    Tensor t = backend.empty({static_cast<int64_t>(rows.size() * sizeof(SampleRow))}, DType::kU8);
+    for (size_t i = 0; i < rows.size(); ++i) t.ptr<SampleRow>()[i] = rows[i];
     return t;
   }
   static SampleRow row(float temperature, uint64_t seed, int64_t position) {
-    SampleRow r;
-    r.temperature = temperature;
-    r.seed = seed;
-    r.position = position;
-    return r;
+    return SampleRow(temperature, 0, 1.0f, seed, position);
   }
 
   CpuBackend backend{1};

@@ -57,7 +57,7 @@ def _testing():
 
 
 def pack_params(temps, seeds, positions):
-    """SampleParamsPacked [R] (cpp/backend/backend.h: T, top_k, top_p, seed lo, seed hi,
+    """SampleRow [R] (cpp/common/sample_row.h: T, top_k, top_p, seed lo, seed hi,
     position) as a uint8 tensor on DEVICE."""
     raw = b"".join(struct.pack("<fifII4xq", t, 0, 1.0, s & 0xFFFFFFFF, s >> 32, p)
                    for t, s, p in zip(temps, seeds, positions))

@@ -15,10 +15,10 @@ namespace dflash {
 
 namespace {
 
-const SampleParamsPacked* params_of(const Tensor& t, int64_t rows) {
-  DFLASH_CHECK(static_cast<int64_t>(t.nbytes()) >= rows * static_cast<int64_t>(sizeof(SampleParamsPacked)),
+const SampleRow* params_of(const Tensor& t, int64_t rows) {
+  DFLASH_CHECK(static_cast<int64_t>(t.nbytes()) >= rows * static_cast<int64_t>(sizeof(SampleRow)),
                "sampling params tensor too small for ", rows, " rows");
-  return static_cast<const SampleParamsPacked*>(t.data);
+  return static_cast<const SampleRow*>(t.data);
 }
 
 }  // namespace
@@ -54,10 +54,8 @@ void CpuBackend::nonfinite_rows(const Tensor& logits, Tensor& flags) {
 
 void CpuBackend::sample_rows(const Tensor& logits, const Tensor& params, Tensor& tokens) {
   const int64_t rows = logits.dim(0);
-  const SampleParamsPacked* p = params_of(params, rows);
-  std::vector<SampleRow> r(rows);
-  for (int64_t i = 0; i < rows; ++i) r[i] = sample_params_unpack(p[i]);
-  sample(logits, r, tokens.ptr<int32_t>());
+  const SampleRow* p = params_of(params, rows);
+  sample(logits, std::vector<SampleRow>(p, p + rows), tokens.ptr<int32_t>());
 }
 
 void CpuBackend::accept(const Tensor& drafts, const Tensor& logits, const Tensor& params, Tensor& num_accepted,
@@ -65,9 +63,9 @@ void CpuBackend::accept(const Tensor& drafts, const Tensor& logits, const Tensor
   const int64_t rows = drafts.dim(0), n = drafts.dim(1), vocab = logits.dim(-1);
   DFLASH_CHECK(logits.numel() == rows * (n + 1) * vocab, "accept: logits ", shape_str(logits.shape),
                " do not hold ", rows, " x ", n + 1, " rows");
-  const SampleParamsPacked* p = params_of(params, rows);
+  const SampleRow* p = params_of(params, rows);
   for (int64_t r = 0; r < rows; ++r) {
-    const SampleRow row = sample_params_unpack(p[r]);
+    const SampleRow& row = p[r];
     const AcceptResult a = accept_drafts(drafts.ptr<int32_t>() + r * n, n,
                                          logits.ptr<float>() + r * (n + 1) * vocab, vocab, row, row.position);
     num_accepted.ptr<int32_t>()[r] = static_cast<int32_t>(a.num_accepted);

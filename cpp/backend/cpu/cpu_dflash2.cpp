@@ -10,9 +10,9 @@ namespace dflash {
 namespace {
 
 SampleRow unpack_params(const Tensor& params, int64_t r) {
-  DFLASH_CHECK(static_cast<int64_t>(params.nbytes()) >= (r + 1) * static_cast<int64_t>(sizeof(SampleParamsPacked)),
+  DFLASH_CHECK(static_cast<int64_t>(params.nbytes()) >= (r + 1) * static_cast<int64_t>(sizeof(SampleRow)),
                "sampling params tensor too small for row ", r);
-  return sample_params_unpack(static_cast<const SampleParamsPacked*>(params.data)[r]);
+  return static_cast<const SampleRow*>(params.data)[r];
 }
 
 }  // namespace

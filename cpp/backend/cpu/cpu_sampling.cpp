@@ -70,7 +70,7 @@ int32_t sample_row_host(const float* logits, int64_t vocab, const SampleRow& row
   std::vector<int32_t> ids;
   std::vector<double> probs;
   filtered_distribution(logits, vocab, row, &ids, &probs);
-  return draw_token(ids, probs, -1, row.seed, row.position);
+  return draw_token(ids, probs, -1, row.seed(), row.position);
 }
 
 void CpuBackend::sample(const Tensor& logits, const std::vector<SampleRow>& rows, int32_t* tokens_out) {

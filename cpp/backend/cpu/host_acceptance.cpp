@@ -30,17 +30,17 @@ AcceptResult accept_drafts(const int32_t* drafts, int64_t n, const float* logits
     filtered_distribution(logits + j * vocab, vocab, row, &ids, &probs);
     if (j == n) {
       r.num_accepted = n;
-      r.next_token = draw_token(ids, probs, -1, row.seed, position);
+      r.next_token = draw_token(ids, probs, -1, row.seed(), position);
       return r;
     }
     double p_draft = 0.0;
     for (size_t i = 0; i < ids.size(); ++i) {
       if (ids[i] == drafts[j]) p_draft = probs[i];
     }
-    const float u = philox_uniform(row.seed, static_cast<uint64_t>(position), 0, kStreamAccept);
+    const float u = philox_uniform(row.seed(), static_cast<uint64_t>(position), 0, kStreamAccept);
     if (static_cast<double>(u) < p_draft) continue;  // accepted with probability p(d)
     r.num_accepted = j;
-    r.next_token = draw_token(ids, probs, drafts[j], row.seed, position);
+    r.next_token = draw_token(ids, probs, drafts[j], row.seed(), position);
     return r;
   }
   return r;

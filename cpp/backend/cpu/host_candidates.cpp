@@ -79,7 +79,7 @@ void walk_request(const float* edges, const int32_t* ids, int64_t slots, int64_t
       const uint64_t position = static_cast<uint64_t>(row.position + s);
       for (int64_t i = 0; i < k; ++i) {
         if (std::isnan(scores[i]) || scores[i] == -INFINITY) continue;
-        const float u = philox_uniform(row.seed, position, static_cast<uint32_t>(cand[i]), kStreamDraftSample);
+        const float u = philox_uniform(row.seed(), position, static_cast<uint32_t>(cand[i]), kStreamDraftSample);
         const double g = static_cast<double>(scores[i]) / row.temperature - std::log(-std::log(static_cast<double>(u)));
         if (idx < 0 || g > best) idx = i, best = g;
       }
@@ -108,7 +108,7 @@ AcceptResult accept_candidates_request(const int32_t* drafts, const int32_t* ids
     filtered_distribution(logits + j * vocab, vocab, row, &p_ids, &p_probs);
     if (j == n) {
       r.num_accepted = n;
-      r.next_token = draw_token(p_ids, p_probs, -1, row.seed, position);
+      r.next_token = draw_token(p_ids, p_probs, -1, row.seed(), position);
       return r;
     }
     const std::vector<double> q = proposal(realized + j * k, k, row.temperature);
@@ -124,7 +124,7 @@ AcceptResult accept_candidates_request(const int32_t* drafts, const int32_t* ids
       if (p_ids[i] == drafts[j]) p_x = p_probs[i];
     }
     const double q_x = q_of(drafts[j]);
-    const float u = philox_uniform(row.seed, static_cast<uint64_t>(position), 0, kStreamAccept);
+    const float u = philox_uniform(row.seed(), static_cast<uint64_t>(position), 0, kStreamAccept);
     if (q_x > 0.0 && static_cast<double>(u) * q_x < p_x) continue;  // accepted with probability min(1, p/q)
     // Rejected: the correction comes from norm(max(p - q, 0)).
     std::vector<double> residual(p_ids.size());
@@ -132,9 +132,9 @@ AcceptResult accept_candidates_request(const int32_t* drafts, const int32_t* ids
     for (size_t i = 0; i < p_ids.size(); ++i) total += residual[i] = std::max(p_probs[i] - q_of(p_ids[i]), 0.0);
     r.num_accepted = j;
     if (total > 0.0) {
-      r.next_token = draw_token(p_ids, residual, -1, row.seed, position);
+      r.next_token = draw_token(p_ids, residual, -1, row.seed(), position);
     } else {  // p == q on every token (rejection had probability 0; rounding): draw from p
-      r.next_token = draw_token(p_ids, p_probs, -1, row.seed, position);
+      r.next_token = draw_token(p_ids, p_probs, -1, row.seed(), position);
     }
     return r;
   }
@@ -147,7 +147,7 @@ int32_t sample_draft_token(const float* logits, int64_t vocab, const SampleRow& 
   double best_score = -INFINITY;
   for (int64_t i = 0; i < vocab; ++i) {
     if (std::isnan(logits[i]) || logits[i] == -INFINITY) continue;
-    const float u = philox_uniform(row.seed, static_cast<uint64_t>(position), static_cast<uint32_t>(i),
+    const float u = philox_uniform(row.seed(), static_cast<uint64_t>(position), static_cast<uint32_t>(i),
                                    kStreamDraftSample);
     const double g = static_cast<double>(logits[i]) / row.temperature - std::log(-std::log(static_cast<double>(u)));
     if (best < 0 || g > best_score) best = i, best_score = g;

@@ -17,10 +17,6 @@
 
 namespace dflash {
 
-static_assert(sizeof(cuda::SampleParams) == sizeof(SampleParamsPacked) &&
-                  offsetof(cuda::SampleParams, position) == offsetof(SampleParamsPacked, position),
-              "the packed sampling params must match cuda::SampleParams");
-
 namespace {
 
 __nv_bfloat16* bf(const Tensor& t) { return static_cast<__nv_bfloat16*>(t.data); }
@@ -366,17 +362,12 @@ void CudaBackend::gather_rows(const Tensor& x, const Tensor& rows, Tensor& out) 
 void CudaBackend::sample(const Tensor& logits, const std::vector<SampleRow>& rows, int32_t* tokens_out) {
   const int64_t n = static_cast<int64_t>(rows.size());
   if (n == 0) return;
-  std::vector<cuda::SampleParams> params(n);
-  for (int64_t i = 0; i < n; ++i) {
-    params[i] = {rows[i].temperature, rows[i].top_k, rows[i].top_p, static_cast<uint32_t>(rows[i].seed),
-                 static_cast<uint32_t>(rows[i].seed >> 32), rows[i].position};
-  }
-  Tensor dev_params = empty({static_cast<int64_t>(n * sizeof(cuda::SampleParams))}, DType::kU8);
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(dev_params.data, params.data(), n * sizeof(cuda::SampleParams),
+  Tensor dev_params = empty({static_cast<int64_t>(n * sizeof(SampleRow))}, DType::kU8);
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(dev_params.data, rows.data(), n * sizeof(SampleRow),
                                     cudaMemcpyHostToDevice, stream_));
   Tensor tokens = empty({n}, DType::kI32);
   DFLASH_CUDA_CHECK(cuda::sample(logits.ptr<float>(), n, logits.dim(1),
-                                 static_cast<const cuda::SampleParams*>(dev_params.data), tokens.ptr<int32_t>(),
+                                 static_cast<const SampleRow*>(dev_params.data), tokens.ptr<int32_t>(),
                                  stream_));
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(tokens_out, tokens.data, n * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
   DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -403,7 +394,7 @@ void CudaBackend::nonfinite_rows(const Tensor& logits, Tensor& flags) {
 void CudaBackend::sample_rows(const Tensor& logits, const Tensor& params, Tensor& tokens) {
   DFLASH_CHECK(logits.dtype == DType::kF32, "sample_rows: logits must be float32");
   DFLASH_CUDA_CHECK(cuda::sample(logits.ptr<float>(), logits.dim(0), logits.dim(1),
-                                 static_cast<const cuda::SampleParams*>(params.data), tokens.ptr<int32_t>(), stream_));
+                                 static_cast<const SampleRow*>(params.data), tokens.ptr<int32_t>(), stream_));
 }
 
 void CudaBackend::accept(const Tensor& drafts, const Tensor& logits, const Tensor& params, Tensor& num_accepted,
@@ -411,7 +402,7 @@ void CudaBackend::accept(const Tensor& drafts, const Tensor& logits, const Tenso
   DFLASH_CHECK(logits.dtype == DType::kF32, "accept: logits must be float32");
   const int64_t rows = drafts.dim(0), n = drafts.dim(1);
   DFLASH_CUDA_CHECK(cuda::accept_drafts(drafts.ptr<int32_t>(), logits.ptr<float>(), rows, n, logits.dim(-1),
-                                        static_cast<const cuda::SampleParams*>(params.data),
+                                        static_cast<const SampleRow*>(params.data),
                                         num_accepted.ptr<int32_t>(), next_token.ptr<int32_t>(), stream_));
 }
 
@@ -582,7 +573,7 @@ void CudaBackend::accept_candidates(const Tensor& drafts, const Tensor& ids, con
                shape_str(realized.shape), " logits ", shape_str(logits.shape));
   DFLASH_CUDA_CHECK(cuda::accept_candidates(drafts.ptr<int32_t>(), dense ? nullptr : ids.ptr<int32_t>(),
                                             realized.ptr<float>(), k, logits.ptr<float>(), rows, n, vocab,
-                                            static_cast<const cuda::SampleParams*>(params.data),
+                                            static_cast<const SampleRow*>(params.data),
                                             num_accepted.ptr<int32_t>(), next_token.ptr<int32_t>(), stream_));
 }
 
@@ -591,7 +582,7 @@ void CudaBackend::sample_drafts(const Tensor& logits, const Tensor& params, int6
   DFLASH_CHECK(logits.dtype == DType::kF32 && n >= 1 && rows % n == 0 && drafts.numel() == rows,
                "sample_drafts: logits ", shape_str(logits.shape), " n ", n, " drafts ", shape_str(drafts.shape));
   DFLASH_CUDA_CHECK(cuda::sample_drafts(logits.ptr<float>(), rows, n, vocab,
-                                        static_cast<const cuda::SampleParams*>(params.data), drafts.ptr<int32_t>(),
+                                        static_cast<const SampleRow*>(params.data), drafts.ptr<int32_t>(),
                                         stream_));
 }
 
