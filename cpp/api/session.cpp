@@ -181,32 +181,12 @@ namespace detail {
 
 runtime::SessionConfig runtime_config(const SessionOptions& o, const SessionHooks& hooks) {
   runtime::SessionConfig c;
+  static_cast<SessionOptions&>(c) = o;
   DFLASH_ARG_CHECK(o.device == "auto" || o.device == "cpu" || o.device == "cuda",
                    "device must be 'auto', 'cpu' or 'cuda', got '", o.device, "'");
   c.device = o.device == "auto" ? (backend_cuda_usable() ? "cuda" : "cpu") : o.device;
-  c.draft_dir = o.draft_dir;
-  c.num_speculative_tokens = o.num_speculative_tokens;
-  c.draft_sampling = o.draft_sampling;
-  c.draft_head = o.draft_head;
-  c.speculation = o.speculation;
-  c.draft_lengths = o.draft_lengths;
-  c.spec_cost_table = o.spec_cost_table;
-  c.max_model_len = o.max_model_len;
-  c.kv_cache_tokens = o.kv_cache_tokens;
-  c.block_size = o.block_size;
-  c.max_num_seqs = o.max_num_seqs;
-  c.max_num_batched_tokens = o.max_num_batched_tokens;
-  c.enable_chunked_prefill = o.enable_chunked_prefill;
-  c.enable_prefix_caching = o.enable_prefix_caching;
   DFLASH_ARG_CHECK(o.num_threads >= 0, "num_threads must be >= 0 (0: all hardware threads), got ", o.num_threads);
-  c.num_threads = o.num_threads;
-  c.gpu_memory_utilization = o.gpu_memory_utilization;
-  c.cuda_graphs = o.cuda_graphs;
-  c.async_decode = o.async_decode;
-  c.kernels = o.kernels;
-  c.tap_layers = hooks.tap_layers;
-  c.pad_decode_batches = hooks.pad_decode_batches;
-  c.spec_length_schedule = hooks.spec_length_schedule;
+  static_cast<SessionHooks&>(c) = hooks;
   return c;
 }
 

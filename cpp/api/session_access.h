@@ -14,12 +14,7 @@
 namespace dflash {
 namespace detail {
 
-// runtime::SessionConfig fields that SessionOptions does not have (test hooks).
-struct SessionHooks {
-  std::vector<int> tap_layers;                // hidden-state taps without a drafter
-  bool pad_decode_batches = false;            // pad CPU decode steps like CUDA graphs do
-  std::vector<int64_t> spec_length_schedule;  // adaptive: a forced draft length per step
-};
+using runtime::SessionHooks;
 
 // The runtime's config for the public options ("auto" device resolved) and hooks.
 runtime::SessionConfig runtime_config(const SessionOptions& options, const SessionHooks& hooks);

@@ -50,9 +50,7 @@ void raise_error(PyObject* type, const char* msg) {
 
 // _core.SessionConfig: the public options with the runtime's test hooks; the device defaults to
 // the CPU (dflash.Session resolves "auto" itself).
-struct CoreConfig : SessionOptions, detail::SessionHooks {
-  CoreConfig() { device = "cpu"; }
-};
+using CoreConfig = runtime::SessionConfig;
 
 // Copies a float vector into a new numpy array of shape [rows, cols].
 nb::object to_numpy_2d(const std::vector<float>& v, int64_t cols) {

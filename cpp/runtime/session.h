@@ -11,6 +11,7 @@
 
 #include "backend/backend.h"
 #include "config/model_config.h"
+#include "dflash/session.h"
 #include "dflash/stats.h"
 #include "kv_cache/block_allocator.h"
 #include "model/drafter.h"
@@ -21,46 +22,20 @@
 namespace dflash {
 namespace runtime {
 
-struct SessionConfig {
-  std::string device = "cpu";          // "cpu" or "cuda"
-  int64_t max_model_len = 0;           // 0: the model's max_position_embeddings
-  int64_t kv_cache_tokens = 0;         // 0: a default from max_model_len and host memory
-  int64_t block_size = 16;
-  int64_t max_num_seqs = 256;
-  int64_t max_num_batched_tokens = 8192;  // prefill tokens per step (the chunk budget)
-  bool enable_chunked_prefill = true;     // prefill prompts longer than the budget in chunks over steps
-  // Share the KV blocks (target and drafter context) of common prompt prefixes across requests:
-  // full blocks stay cached after their requests end, evicted least recently used first.
-  bool enable_prefix_caching = true;
-  int num_threads = 0;                 // 0: all hardware threads
-  std::vector<int> tap_layers;         // hidden-state taps (set from the drafter when there is one)
-  std::string draft_dir;               // a DFlashDraftModel directory: speculative decoding
-  int64_t num_speculative_tokens = 0;  // drafts per step, 1..block_size-1 (0: block_size-1)
-  double gpu_memory_utilization = 0.9;  // CUDA: fraction of GPU memory this session may use
-  bool cuda_graphs = true;             // CUDA: replay decode steps from captured graphs
-  bool async_decode = false;           // pipelined target-only decoding (EngineOptions::async_decode)
-  KernelOptions kernels;               // the backend's kernel choices (before environment overrides)
-  // DFlash (v1) drafts: "greedy" (argmax, one-hot proposals), "probabilistic" (sampled from the
-  // drafter's distribution at T > 0 and verified against it; the argmax at T = 0) or "auto"
-  // (probabilistic for DFlash drafters; DFlash2 drafters always walk their candidates).
-  std::string draft_sampling = "auto";
-  // DFlash2 candidates: "exact" (the top-K of the target's LM head) or "fp8" (picked on an e4m3
-  // copy of the LM head made at load, then re-scored and re-sorted on the exact head; only the
-  // choice of candidates is approximate, verification is unchanged).
-  std::string draft_head = "exact";
+// The runtime's test hooks beyond the public SessionOptions (not public API).
+struct SessionHooks {
+  std::vector<int> tap_layers;  // hidden-state taps without a drafter (set from the drafter when there is one)
   // Pad decode steps to the graph batch sizes: always on CUDA; settable on the CPU so that the
-  // padding rows' path (reserved KV blocks) is tested there too (test hook, not public API).
+  // padding rows' path (reserved KV blocks) is tested there too.
   bool pad_decode_batches = false;
-  // With a drafter: "fixed" (every decode step drafts num_speculative_tokens) or "adaptive" (each
-  // step drafts one of draft_lengths tokens per request, 0 = an AR step, chosen from the measured
-  // step costs and the requests' acceptance; runtime/spec_policy.h).
-  std::string speculation = "fixed";
-  std::vector<int64_t> draft_lengths;  // adaptive: the lengths with programs (empty: 0, 1, 3, 7, ..., n)
-  // Test hooks of adaptive speculation (not public API): the step costs instead of measuring
-  // them, rows [batch_size, seconds of each draft length (draft_lengths with 0 and n added,
-  // ascending)]; and a forced draft length per speculative decode step (cycled).
-  std::vector<std::vector<double>> spec_cost_table;
+  // Adaptive speculation: a forced draft length per speculative decode step (cycled).
   std::vector<int64_t> spec_length_schedule;
+};
+
+// The runtime's configuration: the public options (include/dflash/session.h; device "cpu" or
+// "cuda", "auto" resolved by the caller) and the test hooks.
+struct SessionConfig : SessionOptions, SessionHooks {
+  SessionConfig() { device = "cpu"; }
 };
 
 struct RequestResult {
