@@ -83,6 +83,7 @@ int64_t DecodePrograms::padded(int64_t rows) const {
   return *std::lower_bound(sizes_.begin(), sizes_.end(), rows);
 }
 
+// Mirrors the ragged layout of ragged_batch_append (ragged_batch.h) in fixed shapes: b sequences of q rows.
 void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b, int64_t n, int slot) {
   const StepInputs<int32_t*> h = host_inputs(slot);
   const int64_t bs = config_.block_size, q = drafter_ ? n + 1 : 1;

@@ -1,10 +1,15 @@
-// The engine step and request validation (see engine.h).
+// The engine step and request validation (see engine.h), and the target-only (AR) steps. The
+// speculative step is in speculative_step.cpp, pipelined AR decode in pipelined_decode.cpp, the
+// drafter inspection in propose.cpp, the test hooks the step calls in test_hooks.h.
 #include "runtime/engine.h"
 
 #include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
+
+#include "runtime/ragged_batch.h"
+#include "runtime/test_hooks.h"
 
 namespace dflash {
 
@@ -34,17 +39,10 @@ Engine::Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocato
     stats_.spec_length_steps.assign(spec_.num_spec_tokens + 1, 0);
   }
   DFLASH_ARG_CHECK(!spec_.adaptive || spec_.drafter != nullptr, "adaptive speculation needs a draft model");
-  DFLASH_ARG_CHECK(spec_.length_schedule.empty() || spec_.adaptive,
-                   "a draft length schedule (test hook) needs adaptive speculation");
-  if (spec_.adaptive) {
-    spec_.lengths = spec_lengths_normalize(spec_.lengths, spec_.num_spec_tokens);
-    for (int64_t l : spec_.length_schedule) {
-      DFLASH_ARG_CHECK(std::binary_search(spec_.lengths.begin(), spec_.lengths.end(), l), "the draft length schedule ",
-                       "holds ", l, ", which is not one of the draft lengths with programs");
-    }
-    DFLASH_ARG_CHECK(spec_.costs.empty() || spec_.costs.lengths == spec_.lengths,
-                     "the speculation cost table must have one cost per draft length with programs");
-  }
+  if (spec_.adaptive) spec_.lengths = spec_lengths_normalize(spec_.lengths, spec_.num_spec_tokens);
+  length_schedule_check(spec_.length_schedule, spec_.adaptive, spec_.lengths);
+  DFLASH_ARG_CHECK(!spec_.adaptive || spec_.costs.empty() || spec_.costs.lengths == spec_.lengths,
+                   "the speculation cost table must have one cost per draft length with programs");
   const int64_t reserved = trash_blocks(spec_, sched.block_size);
   DFLASH_CHECK(pool_.num_blocks >= options.trash_block + reserved && options.trash_block >= allocator_.num_blocks(),
                "the KV pool must hold ", reserved, " reserved blocks past the allocator's");
@@ -107,14 +105,7 @@ int64_t Engine::add_request(RequestInput input) {
     DFLASH_ARG_CHECK(t >= 0 && t < vocab, "stop token id ", t, " is outside the vocabulary [0, ",
                      vocab, ")");
   }
-  for (int32_t t : input.forced_tokens) {
-    DFLASH_ARG_CHECK(t >= 0 && t < vocab, "forced token id ", t, " is outside the vocabulary");
-  }
-  for (int32_t t : input.oracle_drafts) {
-    DFLASH_ARG_CHECK(t >= 0 && t < vocab, "oracle draft token id ", t, " is outside the vocabulary");
-  }
-  DFLASH_ARG_CHECK(!spec_.drafter || !(input.record_logits || input.record_prompt_logits || input.record_taps),
-                   "logit/tap recording is only available without a draft model");
+  test_hooks_check(input, vocab, spec_.drafter != nullptr);
   DFLASH_ARG_CHECK(s.max_tokens >= 1, "max_tokens must be >= 1, got ", s.max_tokens);
   DFLASH_ARG_CHECK(std::isfinite(s.temperature) && s.temperature >= 0.0f,
                    "temperature must be a finite number >= 0, got ", s.temperature);
@@ -179,24 +170,12 @@ int64_t Engine::emit(Request* r, const std::vector<int32_t>& tokens, Clock::time
 void Engine::add_rows(ForwardBatch& batch, const PrefillChunk& c, int max_blocks, int64_t first_logit) {
   Request* r = c.req;
   const int64_t start = r->num_computed, end = c.end();
-  const int64_t row0 = batch.num_tokens();
-  for (int64_t pos = start; pos < end; ++pos) {
-    batch.token_ids.push_back(r->token_at(pos));
-    batch.positions.push_back(static_cast<int32_t>(pos));
-    batch.slots.push_back(r->blocks.slot(pos));
-  }
+  std::vector<int32_t> tokens;
+  tokens.reserve(static_cast<size_t>(c.num_tokens));
+  for (int64_t pos = start; pos < end; ++pos) tokens.push_back(r->token_at(pos));
+  ragged_batch_append(batch, tokens, start, r->blocks, max_blocks, first_logit);
   r->blocks.truncate(start);
   r->blocks.append(c.num_tokens);
-  if (batch.query_start.empty()) batch.query_start.push_back(0);
-  batch.query_start.push_back(static_cast<int32_t>(batch.num_tokens()));
-  batch.kv_len.push_back(static_cast<int32_t>(end));
-  std::vector<int32_t> row(r->blocks.blocks());
-  row.resize(max_blocks, 0);
-  batch.block_table.insert(batch.block_table.end(), row.begin(), row.end());
-  batch.max_blocks_per_seq = max_blocks;
-  for (int64_t pos = std::max(first_logit, start); pos < end; ++pos) {
-    batch.logit_rows.push_back(static_cast<int32_t>(row0 + pos - start));
-  }
 }
 
 namespace {
@@ -257,105 +236,6 @@ std::vector<StepOutput> Engine::step() {
   return outputs;
 }
 
-bool Engine::can_pipeline(const std::vector<Request*>& rows, const std::vector<bool>& dead) const {
-  if (!async_decode_ || spec_.drafter != nullptr || scheduler_.num_waiting() > 0) return false;
-  int64_t alive = 0;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    if (dead[i] || rows[i]->status == RequestStatus::kFinished) continue;
-    const RequestInput& in = rows[i]->input;
-    if (in.record_logits || in.record_taps || in.record_prompt_logits || !in.forced_tokens.empty()) return false;
-    ++alive;
-  }
-  // every running request is in this step: nobody needs a step of another kind
-  return alive > 0 && alive == scheduler_.num_running();
-}
-
-std::optional<Engine::PendingStep> Engine::launch_ahead(const std::vector<Request*>& rows,
-                                                        const std::vector<bool>& dead, bool fed) {
-  // The step not yet read (fed) emits one more token: a request continues past it only if
-  // that token does not reach max_new_tokens (an EOS or stop token cannot be known yet).
-  const int64_t pending_tokens = fed ? 1 : 0;
-  std::vector<size_t> continuing;
-  int64_t more_blocks = 0;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const Request* r = rows[i];
-    if (dead[i] || r->status == RequestStatus::kFinished) continue;
-    if (static_cast<int64_t>(r->output.size()) + pending_tokens >= r->max_new_tokens) continue;
-    continuing.push_back(i);
-    more_blocks += std::max<int64_t>(0, BlockTable::blocks_for(r->num_computed + pending_tokens + 1,
-                                                                 r->blocks.block_size()) -
-                                            static_cast<int64_t>(r->blocks.blocks().size()));
-  }
-  // Growing a block table may need a preemption, which only the scheduler's step does.
-  if (!allocator_.can_allocate(more_blocks)) return std::nullopt;
-  PendingStep next;
-  std::vector<DecodeRow> drows;
-  for (size_t i : continuing) {
-    Request* r = rows[i];
-    const int64_t q0 = r->num_computed + pending_tokens;
-    r->blocks.reserve(q0 + 1, allocator_);
-    const SamplingConfig& s = r->input.sampling;
-    DecodeRow d;
-    d.q0 = q0;
-    d.anchor = fed ? 0 : r->token_at(q0);
-    d.feed = fed ? static_cast<int32_t>(i) : -1;
-    d.blocks = &r->blocks;
-    d.sample = SampleRow{s.temperature, s.top_k, s.top_p, s.seed, q0 + 1};
-    r->blocks.truncate(q0);
-    r->blocks.append(1);
-    drows.push_back(d);
-    next.rows.push_back(r);
-  }
-  if (drows.empty()) return std::nullopt;
-  next.dead.assign(next.rows.size(), false);
-  next.slot = programs_->launch(drows);
-  stats_.num_pipelined_steps += 1;
-  (programs_->graphs() ? stats_.num_graph_steps : stats_.num_eager_decode_steps) += 1;
-  return next;
-}
-
-std::vector<StepOutput> Engine::finish_pending(bool allow_next) {
-  const Clock::time_point t0 = Clock::now();
-  PendingStep cur = std::move(*pending_);
-  pending_.reset();
-  std::optional<PendingStep> next;
-  if (allow_next && can_pipeline(cur.rows, cur.dead)) next = launch_ahead(cur.rows, cur.dead, /*fed=*/true);
-  programs_->wait_step(cur.slot);
-  stats_.num_steps += 1;
-  std::vector<StepOutput> outputs = commit_ar(cur.rows, cur.dead, programs_->tokens(), programs_->nonfinite());
-  if (next) {  // requests that ended in this step: their rows of the next one are dropped
-    for (size_t j = 0; j < next->rows.size(); ++j) {
-      next->dead[j] = next->rows[j]->status == RequestStatus::kFinished;
-    }
-    pending_ = std::move(next);
-  }
-  stats_.time_decode_s += std::chrono::duration<double>(Clock::now() - t0).count();
-  return outputs;
-}
-
-void Engine::drain() {
-  if (!pending_) return;
-  std::vector<StepOutput> out = finish_pending(/*allow_next=*/false);
-  stashed_.insert(stashed_.end(), std::make_move_iterator(out.begin()), std::make_move_iterator(out.end()));
-}
-
-std::vector<StepOutput> Engine::commit_ar(const std::vector<Request*>& rows, const std::vector<bool>& dead,
-                                          const int32_t* sampled, const int32_t* nonfinite) {
-  const Clock::time_point now = Clock::now();
-  std::vector<StepOutput> outputs;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    if (dead[i]) {
-      stats_.num_dropped_rows += 1;
-      continue;
-    }
-    Request* r = rows[i];
-    r->num_computed += 1;
-    stats_.num_forward_tokens += 1;
-    outputs.push_back(emit_sampled(r, sampled[i], nonfinite[i] != 0, now));
-  }
-  return outputs;
-}
-
 void Engine::finish_if_done(Request* r, const StepOutput& out) {
   if (out.finished) {
     if (policy_) policy_->forget(r->id);
@@ -365,8 +245,7 @@ void Engine::finish_if_done(Request* r, const StepOutput& out) {
 }
 
 StepOutput Engine::emit_sampled(Request* r, int32_t sampled, bool nonfinite, Clock::time_point now) {
-  const size_t k = r->output.size();
-  const bool forced = k < r->input.forced_tokens.size();
+  const std::optional<int32_t> forced = forced_token(*r);
   StepOutput out;
   if (nonfinite && !forced) {
     out.request_id = r->id;
@@ -374,7 +253,7 @@ StepOutput Engine::emit_sampled(Request* r, int32_t sampled, bool nonfinite, Clo
     fail_nonfinite(r, &out);
     return out;
   }
-  emit(r, {forced ? r->input.forced_tokens[k] : sampled}, now, &out);
+  emit(r, {forced.value_or(sampled)}, now, &out);
   finish_if_done(r, out);
   return out;
 }
@@ -400,7 +279,7 @@ std::vector<int32_t> Engine::nonfinite_rows(const Tensor& logits) {
 std::vector<StepOutput> Engine::autoregressive_decode(const std::vector<Request*>& running,
                                                       const std::function<void()>& overlap) {
   std::vector<DecodeRow> rows(running.size());
-  bool any_record = false;
+  bool any_record = false;  // recorded logits (test hook)
   for (size_t i = 0; i < running.size(); ++i) {
     Request* r = running[i];
     const int64_t q0 = r->num_computed;
@@ -414,15 +293,13 @@ std::vector<StepOutput> Engine::autoregressive_decode(const std::vector<Request*
     any_record = any_record || r->input.record_logits;
   }
   programs_->launch(rows);
-  if (overlap && !any_record) overlap();  // recorded logits live in the arena the overlap reuses
+  StepRecorder recorder(any_record);
+  if (overlap && !recorder.active()) overlap();  // recorded logits live in the arena the overlap reuses
   programs_->wait();
   const int32_t* sampled = programs_->tokens();
   const int32_t* nonfinite = programs_->nonfinite();
-  const int64_t vocab = model_.config().vocab_size;
-  std::vector<float> host_logits;
-  if (any_record) {
-    host_logits.resize(programs_->last_logits().numel());
-    backend_.download_f32(programs_->last_logits(), host_logits.data());
+  if (recorder.active()) {
+    recorder.download(backend_, programs_->last_logits(), model_.config().vocab_size);
     if (overlap) overlap();
   }
   stats_.num_forward_tokens += static_cast<int64_t>(running.size());
@@ -431,9 +308,7 @@ std::vector<StepOutput> Engine::autoregressive_decode(const std::vector<Request*
   for (size_t i = 0; i < running.size(); ++i) {
     Request* r = running[i];
     r->num_computed += 1;
-    if (r->input.record_logits) {
-      r->logits.insert(r->logits.end(), host_logits.begin() + i * vocab, host_logits.begin() + (i + 1) * vocab);
-    }
+    recorder.add_logits(r, static_cast<int64_t>(i), 1);
     outputs.push_back(emit_sampled(r, sampled[i], nonfinite[i] != 0, now));
   }
   return outputs;
@@ -451,12 +326,7 @@ std::vector<StepOutput> Engine::autoregressive_step(const std::vector<PrefillChu
   for (size_t i = 0; i < rows.size(); ++i) {
     const PrefillChunk& c = rows[i];
     const Request* r = c.req;
-    const int64_t prompt = static_cast<int64_t>(r->input.prompt.size());
-    int64_t first = c.samples() ? c.end() - 1 : c.end();
-    if (r->input.record_prompt_logits) {
-      const int64_t lo = std::max(r->num_computed, r->max_computed);
-      if (lo < std::min(c.end(), prompt)) first = std::min(first, lo);
-    }
+    const int64_t first = std::min(c.samples() ? c.end() - 1 : c.end(), first_prompt_logit(*r, c.end()));
     first_logit_row[i] = static_cast<int64_t>(batch.logit_rows.size());
     add_rows(batch, c, max_blocks, first);
     num_logit_rows[i] = static_cast<int64_t>(batch.logit_rows.size()) - first_logit_row[i];
@@ -485,16 +355,9 @@ std::vector<StepOutput> Engine::autoregressive_step(const std::vector<PrefillChu
 
   // Recordings (tests and debugging) copy to the host.
   bool any_record = false;
-  for (const PrefillChunk& c : rows) any_record = any_record || c.req->input.record_logits || c.req->input.record_taps;
-  std::vector<float> host_logits, host_taps;
-  if (any_record) {
-    host_logits.resize(fwd.logits.numel());
-    if (!host_logits.empty()) backend_.download_f32(fwd.logits, host_logits.data());
-    if (!fwd.taps.empty()) {
-      host_taps.resize(fwd.taps.numel());
-      backend_.download_f32(fwd.taps, host_taps.data());
-    }
-  }
+  for (const PrefillChunk& c : rows) any_record = any_record || records_rows(c.req->input);
+  StepRecorder recorder(any_record);
+  recorder.download(backend_, fwd.logits, vocab, fwd.taps);
 
   const Clock::time_point now = Clock::now();
   stats_.num_forward_tokens += batch.num_tokens();
@@ -505,18 +368,8 @@ std::vector<StepOutput> Engine::autoregressive_step(const std::vector<PrefillChu
     Request* r = c.req;
     const bool samples_here = c.samples();
     const int64_t start = r->num_computed, end = c.end();
-    if (r->input.record_logits) {
-      const int64_t row0 = first_logit_row[i], n = num_logit_rows[i];
-      r->logits.insert(r->logits.end(), host_logits.begin() + row0 * vocab, host_logits.begin() + (row0 + n) * vocab);
-    }
-    if (r->input.record_taps && !host_taps.empty()) {
-      const int64_t width = fwd.taps.dim(1), row0 = batch.query_start[i];
-      const int64_t from = std::max(start, r->max_computed);
-      if (from < end) {
-        r->taps.insert(r->taps.end(), host_taps.begin() + (row0 + from - start) * width,
-                       host_taps.begin() + (row0 + end - start) * width);
-      }
-    }
+    recorder.add_logits(r, first_logit_row[i], num_logit_rows[i]);
+    recorder.add_taps(r, batch.query_start[i], start, end);
     r->num_computed = end;
     if (samples_here) {
       outputs.push_back(emit_sampled(r, sampled[next_sample], nonfinite[next_sample] != 0, now));

@@ -49,8 +49,8 @@ struct Speculator {
   std::vector<int64_t> lengths;  // ascending, with 0 and num_spec_tokens (spec_lengths_normalize)
   SpecCostTable costs;           // lengths == `lengths` when given
   SpecPolicyConfig policy;
-  // Test hook (adaptive only): speculative decode step k drafts length_schedule[k % size] tokens
-  // (each one of `lengths`) instead of the policy's choice.
+  // Test hook (adaptive only; test_hooks.h): speculative decode step k drafts
+  // length_schedule[k % size] tokens (each one of `lengths`) instead of the policy's choice.
   std::vector<int64_t> length_schedule;
 };
 
@@ -67,7 +67,7 @@ class Engine {
   int64_t add_request(RequestInput input);
   // One step over all running requests; outputs for those that produced tokens.
   std::vector<StepOutput> step();
-  // Speculative decoding inspection: prefill + context update + one greedy draft step for one
+  // Speculative decoding inspection (propose.cpp): prefill + context update + one greedy draft step for one
   // prompt in blocks of its own; returns the drafts [n] and the LM head's logits [n, V] at the
   // draft rows; for a K-candidate drafter (DFlash2) also the candidates, unary scores, edge
   // scores and walked rows of `details` (if non-null). Changes nothing else.
@@ -101,21 +101,41 @@ class Engine {
   int64_t max_model_len() const { return max_model_len_; }
 
  private:
+  // --- Emitting tokens and finishing requests (engine.cpp).
   // Decides whether `req` stops after emitting `token`; returns the reason or "".
   std::string stop_reason(const Request& req, int32_t token) const;
   // Appends emitted tokens one by one until a stop condition; fills `out`; finishes the request
   // when one holds. Returns the number appended.
   int64_t emit(Request* r, const std::vector<int32_t>& tokens, Clock::time_point now, StepOutput* out);
+  // Bookkeeping after a request emitted `out`.
+  void finish_if_done(Request* r, const StepOutput& out);
+  // Emits one sampled token (or the request's forced token at this index, a test hook) and
+  // finishes the request when a stop condition holds. nonfinite: the row it was sampled from held
+  // a NaN or an infinity; the request then ends with finish_reason "error" instead (a forced token
+  // is still emitted: it does not come from the logits).
+  StepOutput emit_sampled(Request* r, int32_t sampled, bool nonfinite, Clock::time_point now);
+  // Ends a request whose next token would come from non-finite logits: finish_reason "error",
+  // nothing emitted; `out` (already holding what this step emitted, if anything) is finished.
+  void fail_nonfinite(Request* r, StepOutput* out);
+  // Host flags of logits[R, V] (fp32, on the backend): 1 where a row holds a NaN or an infinity
+  // (an eager step's sampled rows; one small device->host copy).
+  std::vector<int32_t> nonfinite_rows(const Tensor& logits);
+
+  // --- Target-only (AR) steps (engine.cpp).
   // Adds the rows of chunk c (positions from c.req->num_computed) to a target batch, with the
   // logits of the rows at positions >= first_logit (none when it is past the chunk).
   void add_rows(ForwardBatch& batch, const PrefillChunk& c, int max_blocks, int64_t first_logit);
   // Eager ragged forward over prefill chunks and decode rows that record taps (AR).
   std::vector<StepOutput> autoregressive_step(const std::vector<PrefillChunk>& rows);
-  // The AR / speculative decode program over requests past their prefill. `overlap` (may be
-  // null) is queued on the stream between the program's launch and the wait for its outputs
-  // (the eager prefill of new requests), so that a mixed step synchronises once.
+  // The AR decode program over requests past their prefill. `overlap` (may be null) is queued on
+  // the stream between the program's launch and the wait for its outputs (the eager prefill of
+  // new requests), so that a mixed step synchronises once.
   std::vector<StepOutput> autoregressive_decode(const std::vector<Request*>& running,
                                                 const std::function<void()>& overlap);
+
+  // --- The speculative step (speculative_step.cpp).
+  // The speculative decode program over requests past their prefill; `overlap` as for
+  // autoregressive_decode.
   std::vector<StepOutput> speculative_decode(const std::vector<Request*>& running,
                                              const std::function<void()>& overlap);
   // The draft length of the next speculative decode step over `running`: num_spec_tokens, the
@@ -124,12 +144,14 @@ class Engine {
   // Prefill chunks with a drafter: target forward with taps, the drafter's context of every
   // chunk row, the first token after a new request's last chunk.
   std::vector<StepOutput> speculative_prefill(const std::vector<PrefillChunk>& chunks);
-  // Pipelined AR decode (EngineOptions::async_decode): the step in flight, launched before the
-  // host read its predecessor; rows whose request ended meanwhile are dead (their output dropped).
+
+  // --- Pipelined AR decode, EngineOptions::async_decode (pipelined_decode.cpp).
+  // The step in flight, launched before the host read its predecessor; rows whose request ended
+  // meanwhile are dead (their output dropped).
   struct PendingStep {
     std::vector<Request*> rows;
-    std::vector<bool> dead;
-    int slot = 0;
+    std::vector<bool> dead;  // [rows]
+    int slot = 0;            // the decode programs' slot it was launched in (wait_step)
   };
   // Whether the next decode step can be launched ahead (async on, target-only, nothing waiting,
   // no recording or forced tokens on `rows`).
@@ -146,19 +168,6 @@ class Engine {
   // logits held a NaN or an infinity).
   std::vector<StepOutput> commit_ar(const std::vector<Request*>& rows, const std::vector<bool>& dead,
                                     const int32_t* sampled, const int32_t* nonfinite);
-  // Bookkeeping after a request emitted `out`.
-  void finish_if_done(Request* r, const StepOutput& out);
-  // Emits one sampled token (or the request's forced token at this index) and finishes the
-  // request when a stop condition holds. nonfinite: the row it was sampled from held a NaN or an
-  // infinity; the request then ends with finish_reason "error" instead (a forced token is still
-  // emitted: it does not come from the logits).
-  StepOutput emit_sampled(Request* r, int32_t sampled, bool nonfinite, Clock::time_point now);
-  // Ends a request whose next token would come from non-finite logits: finish_reason "error",
-  // nothing emitted; `out` (already holding what this step emitted, if anything) is finished.
-  void fail_nonfinite(Request* r, StepOutput* out);
-  // Host flags of logits[R, V] (fp32, on the backend): 1 where a row holds a NaN or an infinity
-  // (an eager step's sampled rows; one small device->host copy).
-  std::vector<int32_t> nonfinite_rows(const Tensor& logits);
 
   Transformer& model_;
   Backend& backend_;

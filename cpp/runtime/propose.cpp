@@ -4,28 +4,19 @@
 // K-candidate drafter (DFlash2), the candidates, unary and edge scores and the walked rows. Changes
 // nothing else (its blocks are released).
 #include "runtime/engine.h"
+#include "runtime/ragged_batch.h"
 
 namespace dflash {
 
 namespace {
 
-// Adds one drafter block [anchor, mask x n] at positions q0 .. q0 + n to `batch`.
+// Adds one drafter block [anchor, mask x n] at positions q0 .. q0 + n to `batch`, with the logits
+// of the n mask rows.
 void add_block(ForwardBatch& batch, const BlockTable& blocks, int64_t q0, int32_t anchor, int32_t mask, int64_t n,
                int max_blocks) {
-  if (batch.query_start.empty()) batch.query_start.push_back(0);
-  const int64_t row0 = batch.num_tokens();
-  for (int64_t j = 0; j <= n; ++j) {
-    batch.token_ids.push_back(j == 0 ? anchor : mask);
-    batch.positions.push_back(static_cast<int32_t>(q0 + j));
-    batch.slots.push_back(blocks.slot(q0 + j));
-    if (j > 0) batch.logit_rows.push_back(static_cast<int32_t>(row0 + j));
-  }
-  batch.query_start.push_back(static_cast<int32_t>(batch.num_tokens()));
-  batch.kv_len.push_back(static_cast<int32_t>(q0 + n + 1));
-  std::vector<int32_t> row(blocks.blocks());
-  row.resize(max_blocks, 0);
-  batch.block_table.insert(batch.block_table.end(), row.begin(), row.end());
-  batch.max_blocks_per_seq = max_blocks;
+  std::vector<int32_t> tokens(static_cast<size_t>(n + 1), mask);
+  tokens[0] = anchor;
+  ragged_batch_append(batch, tokens, q0, blocks, max_blocks, /*first_logit=*/q0 + 1);
 }
 
 // Greedy draft tokens: the argmax of each drafter logit row.
@@ -68,17 +59,7 @@ void Engine::propose(const std::vector<int32_t>& prompt, std::vector<int32_t>* d
   try {
     ForwardBatch pre;
     pre.want_taps = true;
-    pre.query_start.push_back(0);
-    for (int64_t i = 0; i < p; ++i) {
-      pre.token_ids.push_back(prompt[i]);
-      pre.positions.push_back(static_cast<int32_t>(i));
-      pre.slots.push_back(table.slot(i));
-    }
-    pre.query_start.push_back(static_cast<int32_t>(p));
-    pre.kv_len.push_back(static_cast<int32_t>(p));
-    pre.block_table = table.blocks();
-    pre.max_blocks_per_seq = static_cast<int>(table.blocks().size());
-    pre.logit_rows.push_back(static_cast<int32_t>(p - 1));
+    ragged_batch_append(pre, prompt, 0, table, static_cast<int>(table.blocks().size()), /*first_logit=*/p - 1);
     ForwardResult fwd = model_.forward(pre, pool_);
     const int32_t anchor = argmax_rows(backend_, fwd.logits)[0];
     drafter.update_context(fwd.taps, pre.positions, pre.slots, *spec_.pool);

@@ -25,7 +25,8 @@ using SamplingConfig = SamplingParams;
 struct RequestInput {
   std::vector<int32_t> prompt;
   SamplingConfig sampling;
-  // Debug/test hooks (not part of the public Python API):
+  // Debug/test hooks (not part of the public Python API; what the step does with them:
+  // runtime/test_hooks.h):
   std::vector<int32_t> forced_tokens;  // emit these instead of sampling (teacher forcing)
   bool record_logits = false;          // keep the logits of every sampled position
   bool record_prompt_logits = false;   // ...and of every prompt position

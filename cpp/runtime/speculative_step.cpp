@@ -22,6 +22,7 @@
 #include <algorithm>
 
 #include "runtime/engine.h"
+#include "runtime/test_hooks.h"
 
 namespace dflash {
 
@@ -158,8 +159,7 @@ void DecodePrograms::issue_context_step(DeviceBatch& d, const Tensor& params, co
 
 int64_t Engine::choose_length(const std::vector<Request*>& running) {
   if (!policy_) return spec_.num_spec_tokens;
-  const std::vector<int64_t>& schedule = spec_.length_schedule;
-  if (!schedule.empty()) return schedule[static_cast<size_t>(num_spec_decode_steps_) % schedule.size()];
+  if (const std::optional<int64_t> l = scheduled_length(spec_.length_schedule, num_spec_decode_steps_)) return *l;
   std::vector<int64_t> ids, remaining;
   for (const Request* r : running) {
     ids.push_back(r->id);
@@ -176,7 +176,7 @@ std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& 
   num_spec_decode_steps_ += 1;
   stats_.spec_length_steps[n] += 1;
   std::vector<DecodeRow> rows(running.size());
-  std::vector<std::vector<int32_t>> overrides(running.size());
+  std::vector<std::vector<int32_t>> overrides(running.size());  // [running][n] oracle drafts
   for (size_t i = 0; i < running.size(); ++i) {
     Request* r = running[i];
     const int64_t q0 = r->num_computed;
@@ -184,14 +184,8 @@ std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& 
     rows[i].q0 = q0;
     rows[i].blocks = &r->blocks;
     rows[i].sample = sample_row_of(*r, q0 + 1);
-    const auto& oracle = r->input.oracle_drafts;
-    if (!oracle.empty()) {  // drafts[j] is generated token number output.size() + j
-      for (int64_t j = 0; j < n; ++j) {
-        const size_t k = r->output.size() + j;
-        overrides[i].push_back(k < oracle.size() ? oracle[k] : oracle.back());
-      }
-      rows[i].override_drafts = overrides[i].data();
-    }
+    overrides[i] = oracle_overrides(*r, n);  // test hook: drafts in place of the drafter's
+    if (!overrides[i].empty()) rows[i].override_drafts = overrides[i].data();
     r->blocks.truncate(q0);
     r->blocks.append(n + 1);  // the verify block's K/V (the tail is dropped after acceptance)
   }
