@@ -113,6 +113,32 @@ def test_stats(sess):
     assert st["eager_steps"] >= 2 and st["eager_forwards"] >= 1
 
 
+# The public keys of Session.stats(), pinned so that renaming or dropping one is a deliberate
+# change (they are built from the list in include/dflash/stats.h plus the values derived in
+# python/dflash/session.py).
+STATS_KEYS = {
+    "device", "weight_bytes", "kv_cache_bytes", "kv_cache_tokens", "block_size", "num_blocks", "num_free_blocks",
+    "max_model_len", "num_threads", "workspace_bytes", "num_steps", "num_forward_tokens", "num_generated_tokens",
+    "num_requests_finished", "num_nonfinite_requests", "draft_weight_bytes", "draft_kv_cache_bytes",
+    "num_speculative_tokens", "draft_sampling", "num_spec_steps", "num_drafted", "num_accepted", "acceptance_length",
+    "accepted_per_position", "spec_time_s", "decode_time_s", "cuda_graphs", "graph_batch_sizes", "graph_capture_s",
+    "graph_steps", "eager_steps", "eager_forwards", "pipelined_steps", "dropped_rows", "num_preemptions",
+    "num_prefill_chunks", "num_running_requests", "num_waiting_requests", "prefix_caching", "num_cached_blocks",
+    "num_evictable_blocks", "num_evicted_blocks", "prefix_cache_query_tokens", "prefix_cache_hit_tokens",
+    "speculation", "draft_lengths", "spec_length_steps", "spec_cost_table", "spec_cost_measure_s",
+}
+
+
+def test_stats_keys(sess):
+    st = sess.stats()
+    assert set(st) == STATS_KEYS
+    assert set(st["spec_time_s"]) == {"draft", "verify", "accept", "context_update"}
+    assert st["draft_sampling"] is None and st["speculation"] is None and st["spec_cost_table"] is None
+    # the core's attributes are named by the same list as its dict
+    core = sess._core.stats()
+    assert all(getattr(core.engine if hasattr(core.engine, k) else core, k) == v for k, v in core.as_dict().items())
+
+
 def test_ignore_eos_runs_to_max_tokens(sess):
     eos = sess.model_config.eos_token_ids
     out = sess.generate(["hello"], dflash.SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=[]))[0]

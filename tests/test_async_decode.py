@@ -144,7 +144,7 @@ def test_async_with_padded_batches(tiny_model_dirs):
             sess.step()
         st = sess.stats()
         assert st.num_free_blocks == st.num_blocks
-        return [list(sess.take_result(i).token_ids) for i in ids], st.engine.num_pipelined_steps
+        return [list(sess.take_result(i).token_ids) for i in ids], st.engine.pipelined_steps
 
     want, _ = run(False, False)
     got, pipelined = run(True, True)

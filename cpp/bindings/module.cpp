@@ -446,64 +446,19 @@ NB_MODULE(_core, m) {
         return to_numpy_2d(r.taps, width);
       }, "width"_a, "Recorded hidden-state taps as a float32 array [rows, width].");
 
-  nb::class_<EngineStats>(m, "EngineStats")
-      .def_ro("num_steps", &EngineStats::num_steps)
-      .def_ro("num_forward_tokens", &EngineStats::num_forward_tokens)
-      .def_ro("num_generated_tokens", &EngineStats::num_generated_tokens)
-      .def_ro("num_requests_finished", &EngineStats::num_requests_finished)
-      .def_ro("num_nonfinite_requests", &EngineStats::num_nonfinite_requests)
-      .def_ro("num_spec_steps", &EngineStats::num_spec_steps)
-      .def_ro("num_drafted", &EngineStats::num_drafted)
-      .def_ro("num_accepted", &EngineStats::num_accepted)
-      .def_ro("num_spec_emitted", &EngineStats::num_spec_emitted)
-      .def_ro("accepted_per_position", &EngineStats::accepted_per_position)
-      .def_ro("time_draft_s", &EngineStats::time_draft_s)
-      .def_ro("time_verify_s", &EngineStats::time_verify_s)
-      .def_ro("time_accept_s", &EngineStats::time_accept_s)
-      .def_ro("time_context_s", &EngineStats::time_context_s)
-      .def_ro("time_decode_s", &EngineStats::time_decode_s)
-      .def_ro("num_graph_steps", &EngineStats::num_graph_steps)
-      .def_ro("num_eager_decode_steps", &EngineStats::num_eager_decode_steps)
-      .def_ro("num_eager_forwards", &EngineStats::num_eager_forwards)
-      .def_ro("num_pipelined_steps", &EngineStats::num_pipelined_steps)
-      .def_ro("num_dropped_rows", &EngineStats::num_dropped_rows)
-      .def_ro("num_preemptions", &EngineStats::num_preemptions)
-      .def_ro("num_prefill_chunks", &EngineStats::num_prefill_chunks)
-      .def_ro("spec_length_steps", &EngineStats::spec_length_steps)
-      .def_ro("time_measure_costs_s", &EngineStats::time_measure_costs_s);
+  // The stats' attributes and dict come from the one list of their fields (include/dflash/stats.h).
+  nb::class_<EngineStats> engine_stats(m, "EngineStats");
+  for_each_engine_stat([&](const char* key, auto member) { engine_stats.def_ro(key, member); });
 
-  nb::class_<SessionStats>(m, "SessionStats")
-      .def_ro("device", &SessionStats::device)
-      .def_ro("weight_bytes", &SessionStats::weight_bytes)
-      .def_ro("kv_cache_bytes", &SessionStats::kv_cache_bytes)
-      .def_ro("kv_cache_tokens", &SessionStats::kv_cache_tokens)
-      .def_ro("block_size", &SessionStats::block_size)
-      .def_ro("num_blocks", &SessionStats::num_blocks)
-      .def_ro("num_free_blocks", &SessionStats::num_free_blocks)
-      .def_ro("num_running_requests", &SessionStats::num_running_requests)
-      .def_ro("num_waiting_requests", &SessionStats::num_waiting_requests)
-      .def_ro("prefix_caching", &SessionStats::prefix_caching)
-      .def_ro("num_cached_blocks", &SessionStats::num_cached_blocks)
-      .def_ro("num_evictable_blocks", &SessionStats::num_evictable_blocks)
-      .def_ro("num_evicted_blocks", &SessionStats::num_evicted_blocks)
-      .def_ro("prefix_cache_query_tokens", &SessionStats::prefix_cache_query_tokens)
-      .def_ro("prefix_cache_hit_tokens", &SessionStats::prefix_cache_hit_tokens)
-      .def_ro("max_model_len", &SessionStats::max_model_len)
-      .def_ro("num_threads", &SessionStats::num_threads)
-      .def_ro("workspace_bytes", &SessionStats::workspace_bytes)
-      .def_ro("draft_weight_bytes", &SessionStats::draft_weight_bytes)
-      .def_ro("draft_kv_cache_bytes", &SessionStats::draft_kv_cache_bytes)
-      .def_ro("num_speculative_tokens", &SessionStats::num_speculative_tokens)
-      .def_ro("draft_sampling", &SessionStats::draft_sampling)
-      .def_ro("cuda_graphs", &SessionStats::cuda_graphs)
-      .def_ro("graph_batch_sizes", &SessionStats::graph_batch_sizes)
-      .def_ro("graph_capture_s", &SessionStats::graph_capture_s)
-      .def_ro("speculation", &SessionStats::speculation)
-      .def_ro("draft_lengths", &SessionStats::draft_lengths)
-      .def_ro("spec_cost_batch_sizes", &SessionStats::spec_cost_batch_sizes)
-      .def_ro("spec_cost_lengths", &SessionStats::spec_cost_lengths)
-      .def_ro("spec_cost_seconds", &SessionStats::spec_cost_seconds)  // [batch sizes][lengths]
-      .def_ro("engine", &SessionStats::engine);
+  nb::class_<SessionStats> session_stats(m, "SessionStats");
+  for_each_session_stat([&](const char* key, auto member) { session_stats.def_ro(key, member); });
+  session_stats.def_ro("engine", &SessionStats::engine)
+      .def("as_dict", [](const SessionStats& s) {
+        nb::dict d;
+        for_each_session_stat([&](const char* key, auto member) { d[key] = nb::cast(s.*member); });
+        for_each_engine_stat([&](const char* key, auto member) { d[key] = nb::cast(s.engine.*member); });
+        return d;
+      }, "Every field, its engine's too, as {key: value} (keys as the attributes are named).");
 
   nb::class_<ModelInfo>(m, "ModelInfo")
       .def_ro("architecture", &ModelInfo::architecture)

@@ -1,6 +1,8 @@
 // SessionStats: what Session::stats() reports: memory, KV cache blocks, prefix caching,
 // speculative decoding and CUDA-graph settings, and the engine's counters (EngineStats).
 // Counters accumulate from the session's start; fields may be added in later minor versions.
+// for_each_engine_stat / for_each_session_stat are the one list of the fields and the names they
+// are reported under (the Python module's attributes and dict, and so dflash.Session.stats()).
 #pragma once
 
 #include <cstdint>
@@ -87,5 +89,76 @@ struct SessionStats {
   std::vector<std::vector<double>> spec_cost_seconds;
   EngineStats engine;
 };
+
+// The one list of the statistics: fn(key, member) for each field (a pointer to member), in the
+// order they are reported. key is the name Python sees: the _core attribute, the key of
+// SessionStats.as_dict() and of dflash.Session.stats(). A field added to a struct above is added
+// to its list too, and is then reported everywhere; tests/cpp/stats_test.cpp checks that no field
+// is left out. Most keys are the field's name. Fields that Session.stats() reports only in a
+// derived form keep their field's name: num_spec_emitted (acceptance_length), the phase times
+// time_*_s (nested as spec_time_s), spec_length_steps (a dict by draft length), spec_cost_*
+// (spec_cost_table).
+template <class Fn>
+void for_each_engine_stat(Fn&& fn) {
+  fn("num_steps", &EngineStats::num_steps);
+  fn("num_forward_tokens", &EngineStats::num_forward_tokens);
+  fn("num_generated_tokens", &EngineStats::num_generated_tokens);
+  fn("num_requests_finished", &EngineStats::num_requests_finished);
+  fn("num_nonfinite_requests", &EngineStats::num_nonfinite_requests);
+  fn("num_spec_steps", &EngineStats::num_spec_steps);
+  fn("num_drafted", &EngineStats::num_drafted);
+  fn("num_accepted", &EngineStats::num_accepted);
+  fn("num_spec_emitted", &EngineStats::num_spec_emitted);
+  fn("accepted_per_position", &EngineStats::accepted_per_position);
+  fn("time_draft_s", &EngineStats::time_draft_s);
+  fn("time_verify_s", &EngineStats::time_verify_s);
+  fn("time_accept_s", &EngineStats::time_accept_s);
+  fn("time_context_s", &EngineStats::time_context_s);
+  fn("decode_time_s", &EngineStats::time_decode_s);
+  fn("graph_steps", &EngineStats::num_graph_steps);
+  fn("eager_steps", &EngineStats::num_eager_decode_steps);
+  fn("eager_forwards", &EngineStats::num_eager_forwards);
+  fn("pipelined_steps", &EngineStats::num_pipelined_steps);
+  fn("dropped_rows", &EngineStats::num_dropped_rows);
+  fn("num_preemptions", &EngineStats::num_preemptions);
+  fn("num_prefill_chunks", &EngineStats::num_prefill_chunks);
+  fn("spec_length_steps", &EngineStats::spec_length_steps);
+  fn("spec_cost_measure_s", &EngineStats::time_measure_costs_s);
+}
+
+// SessionStats' own fields (its engine's are for_each_engine_stat's); every key is the field's name.
+template <class Fn>
+void for_each_session_stat(Fn&& fn) {
+  fn("device", &SessionStats::device);
+  fn("weight_bytes", &SessionStats::weight_bytes);
+  fn("kv_cache_bytes", &SessionStats::kv_cache_bytes);
+  fn("kv_cache_tokens", &SessionStats::kv_cache_tokens);
+  fn("block_size", &SessionStats::block_size);
+  fn("num_blocks", &SessionStats::num_blocks);
+  fn("num_free_blocks", &SessionStats::num_free_blocks);
+  fn("num_running_requests", &SessionStats::num_running_requests);
+  fn("num_waiting_requests", &SessionStats::num_waiting_requests);
+  fn("prefix_caching", &SessionStats::prefix_caching);
+  fn("num_cached_blocks", &SessionStats::num_cached_blocks);
+  fn("num_evictable_blocks", &SessionStats::num_evictable_blocks);
+  fn("num_evicted_blocks", &SessionStats::num_evicted_blocks);
+  fn("prefix_cache_query_tokens", &SessionStats::prefix_cache_query_tokens);
+  fn("prefix_cache_hit_tokens", &SessionStats::prefix_cache_hit_tokens);
+  fn("max_model_len", &SessionStats::max_model_len);
+  fn("num_threads", &SessionStats::num_threads);
+  fn("workspace_bytes", &SessionStats::workspace_bytes);
+  fn("draft_weight_bytes", &SessionStats::draft_weight_bytes);
+  fn("draft_kv_cache_bytes", &SessionStats::draft_kv_cache_bytes);
+  fn("num_speculative_tokens", &SessionStats::num_speculative_tokens);
+  fn("draft_sampling", &SessionStats::draft_sampling);
+  fn("cuda_graphs", &SessionStats::cuda_graphs);
+  fn("graph_batch_sizes", &SessionStats::graph_batch_sizes);
+  fn("graph_capture_s", &SessionStats::graph_capture_s);
+  fn("speculation", &SessionStats::speculation);
+  fn("draft_lengths", &SessionStats::draft_lengths);
+  fn("spec_cost_batch_sizes", &SessionStats::spec_cost_batch_sizes);
+  fn("spec_cost_lengths", &SessionStats::spec_cost_lengths);
+  fn("spec_cost_seconds", &SessionStats::spec_cost_seconds);  // [batch sizes][lengths]
+}
 
 }  // namespace dflash

@@ -559,62 +559,21 @@ class Session:
         spec_cost_table (adaptive): {"batch_sizes", "lengths", "seconds" [batch size][length]},
         the step costs the policy uses, measured at start-up in spec_cost_measure_s."""
         with self._loop.core_lock:  # the engine thread steps the session while holding it
-            s = self._core.stats()
+            # every field under its key, from the one list in include/dflash/stats.h
+            st = self._core.stats().as_dict()
             running, waiting = self._loop.request_counts()
-        e = s.engine
-        costs = None
-        if s.spec_cost_batch_sizes:
-            costs = {"batch_sizes": list(s.spec_cost_batch_sizes), "lengths": list(s.spec_cost_lengths),
-                     "seconds": [list(row) for row in s.spec_cost_seconds]}
-        return {
-            "device": s.device,
-            "weight_bytes": s.weight_bytes,
-            "kv_cache_bytes": s.kv_cache_bytes,
-            "kv_cache_tokens": s.kv_cache_tokens,
-            "block_size": s.block_size,
-            "num_blocks": s.num_blocks,
-            "num_free_blocks": s.num_free_blocks,
-            "max_model_len": s.max_model_len,
-            "num_threads": s.num_threads,
-            "workspace_bytes": s.workspace_bytes,
-            "num_steps": e.num_steps,
-            "num_forward_tokens": e.num_forward_tokens,
-            "num_generated_tokens": e.num_generated_tokens,
-            "num_requests_finished": e.num_requests_finished,
-            "num_nonfinite_requests": e.num_nonfinite_requests,
-            "draft_weight_bytes": s.draft_weight_bytes,
-            "draft_kv_cache_bytes": s.draft_kv_cache_bytes,
-            "num_speculative_tokens": s.num_speculative_tokens,
-            "draft_sampling": s.draft_sampling or None,
-            "num_spec_steps": e.num_spec_steps,
-            "num_drafted": e.num_drafted,
-            "num_accepted": e.num_accepted,
-            "acceptance_length": (e.num_spec_emitted / e.num_spec_steps) if e.num_spec_steps else 0.0,
-            "accepted_per_position": list(e.accepted_per_position),
-            "spec_time_s": {"draft": e.time_draft_s, "verify": e.time_verify_s,
-                            "accept": e.time_accept_s, "context_update": e.time_context_s},
-            "decode_time_s": e.time_decode_s,
-            "cuda_graphs": s.cuda_graphs,
-            "graph_batch_sizes": list(s.graph_batch_sizes),
-            "graph_capture_s": s.graph_capture_s,
-            "graph_steps": e.num_graph_steps,
-            "eager_steps": e.num_eager_decode_steps,
-            "eager_forwards": e.num_eager_forwards,
-            "pipelined_steps": e.num_pipelined_steps,
-            "dropped_rows": e.num_dropped_rows,
-            "num_preemptions": e.num_preemptions,
-            "num_prefill_chunks": e.num_prefill_chunks,
-            "num_running_requests": running,
-            "num_waiting_requests": waiting,
-            "prefix_caching": s.prefix_caching,
-            "num_cached_blocks": s.num_cached_blocks,
-            "num_evictable_blocks": s.num_evictable_blocks,
-            "num_evicted_blocks": s.num_evicted_blocks,
-            "prefix_cache_query_tokens": s.prefix_cache_query_tokens,
-            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
-            "speculation": s.speculation or None,
-            "draft_lengths": list(s.draft_lengths),
-            "spec_length_steps": {n: e.spec_length_steps[n] for n in s.draft_lengths},
-            "spec_cost_table": costs,
-            "spec_cost_measure_s": e.time_measure_costs_s,
-        }
+        # The raw fields reported only in a derived form are replaced by it.
+        emitted = st.pop("num_spec_emitted")
+        spec_time = {"draft": st.pop("time_draft_s"), "verify": st.pop("time_verify_s"),
+                     "accept": st.pop("time_accept_s"), "context_update": st.pop("time_context_s")}
+        costs = {"batch_sizes": st.pop("spec_cost_batch_sizes"), "lengths": st.pop("spec_cost_lengths"),
+                 "seconds": st.pop("spec_cost_seconds")}
+        # the engine loop's counts, which split requests by whether they have produced a token yet
+        st["num_running_requests"], st["num_waiting_requests"] = running, waiting
+        st["draft_sampling"] = st["draft_sampling"] or None
+        st["speculation"] = st["speculation"] or None
+        st["spec_length_steps"] = {n: st["spec_length_steps"][n] for n in st["draft_lengths"]}
+        st["acceptance_length"] = (emitted / st["num_spec_steps"]) if st["num_spec_steps"] else 0.0
+        st["spec_time_s"] = spec_time
+        st["spec_cost_table"] = costs if costs["batch_sizes"] else None
+        return st

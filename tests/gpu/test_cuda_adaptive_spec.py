@@ -85,7 +85,7 @@ def test_graphs_per_length_equal_eager(name, draft, tiny_model_dirs, tmp_path):
         assert _run(on, prompts, temperature) == _run(off, prompts, temperature), (name, draft, n, temperature)
     s_on, s_off = on.stats(), off.stats()
     assert s_on.cuda_graphs and not s_off.cuda_graphs
-    assert s_on.engine.num_graph_steps > 0 and s_on.engine.num_eager_decode_steps == 0
+    assert s_on.engine.graph_steps > 0 and s_on.engine.eager_steps == 0
     assert list(s_on.graph_batch_sizes) == [1, 2, 4, 8, 16]
     steps = list(s_on.engine.spec_length_steps)
     assert steps == list(s_off.engine.spec_length_steps) and all(steps[x] > 0 for x in SCHEDULES[draft])
@@ -150,5 +150,5 @@ def test_switching_with_preemption_and_chunked_prefill_graphs_equal_eager(draft,
     for temperature in (0.0, 0.8):
         assert _run(on, prompts, temperature) == _run(off, prompts, temperature), (draft, temperature)
     e_on, e_off = on.stats().engine, off.stats().engine
-    assert e_on.num_graph_steps > 0 and e_on.num_preemptions > 0 and e_on.num_preemptions == e_off.num_preemptions
+    assert e_on.graph_steps > 0 and e_on.num_preemptions > 0 and e_on.num_preemptions == e_off.num_preemptions
     assert e_on.num_prefill_chunks > len(prompts) * 2
