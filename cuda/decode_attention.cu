@@ -24,6 +24,7 @@
 //
 // Programmatic dependent launch: detail::pdl_begin() before any memory access.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 
 #include "cuda/common.cuh"
@@ -262,6 +263,10 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
     for (int e = 0; e < 16; ++e) {
       float vf[DL];
       VPiece<HD>::to_f32(cur.v[e], vf);
+      // A key masked for a row has pe = 0, but 0 * NaN is NaN: a non-finite value (a NaN row
+      // of another query behind it in causal order) adds nothing. Finite values pass unchanged.
+#pragma unroll
+      for (int d = 0; d < DL; ++d) vf[d] = fabsf(vf[d]) <= FLT_MAX ? vf[d] : 0.0f;
 #pragma unroll
       for (int r = 0; r < RB; ++r) {
         const float pe = s_s[r][16 * warp + e];

@@ -93,6 +93,9 @@ def _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, start, end, kv_len,
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(v_ptr + kv_off, mask=in_range[:, None], other=0.0)
+            # A masked key has p = 0, but 0 * NaN is NaN: a non-finite value (a NaN row of
+            # another query of the tile, behind it in causal order) must add nothing.
+            v = tl.where((v - v) == 0, v, tl.zeros_like(v))
         else:
             v = tl.load(v_ptr + kv_off)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
