@@ -72,9 +72,10 @@ def _run(session: dflash.Session, prompts, params, batch, batch_params):
 
 
 def check_nan_containment(make_session: Callable[[pathlib.Path], dflash.Session], model_dir: pathlib.Path,
-                          tmp_path: pathlib.Path) -> dict:
+                          tmp_path: pathlib.Path, value: float = float("nan")) -> dict:
     """Runs the injection case (module comment) with sessions from make_session(model_dir) and
-    make_session(poisoned copy); asserts the containment; returns the poisoned session's stats."""
+    make_session(poisoned copy, embedding row t0 = value); asserts the containment; returns the
+    poisoned session's stats."""
     finder = make_session(model_dir)
     vocab = finder.model_config.vocab_size
     prompts, params = _other_requests(vocab, seed=3)
@@ -91,7 +92,7 @@ def check_nan_containment(make_session: Callable[[pathlib.Path], dflash.Session]
     assert want[0].token_ids[0] == t0 and len(want[0].token_ids) == 2 and want[-1].finish_reason == "length"
     assert clean_stats["num_nonfinite_requests"] == 0
 
-    poisoned = make_session(poisoned_copy(model_dir, tmp_path / "poisoned", t0))
+    poisoned = make_session(poisoned_copy(model_dir, tmp_path / "poisoned", t0, value))
     got_first, got, got_again, stats = _run(poisoned, prompts, params, batch, batch_params)
     poisoned.close()
     # The probe emits t0 (sampled from finite logits) and ends at the NaN row after it; the

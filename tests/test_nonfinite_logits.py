@@ -51,3 +51,10 @@ def test_verify_reads_no_row_behind_a_rejected_draft(tiny_model_dirs, tmp_path):
     check_spec_reads_only_consulted_rows(
         lambda model: dflash.Session(model, device="cpu", draft=str(drafter), draft_sampling="greedy", num_threads=2),
         target, tmp_path)
+
+
+def test_an_infinite_embedding_row_is_contained_like_nan(tiny_model_dirs, tmp_path):
+    # +inf in the embedding row becomes NaN at the first RMSNorm (inf * rsqrt(inf) = inf * 0).
+    target, make = _sessions(tiny_model_dirs, tmp_path, None)
+    stats = check_nan_containment(make, target, tmp_path, value=float("inf"))
+    assert stats["num_nonfinite_requests"] == 2
