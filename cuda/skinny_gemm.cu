@@ -23,6 +23,10 @@
 // read row N - 1 and are not written; x rows past M read row M - 1 (their columns are dropped);
 // the k tail (K % 32) is zero-filled by predicated loads in the last step only.
 //
+// Batch-invariant shape (SkinnyGemmConfig / SkinnyFusion batch_invariant): NT 2, R 1, U 4 for
+// every M <= 16, so the chunks of K a warp visits, the accumulator sets and the warp sum are the
+// same for every M: an output depends on its x row and w row only, whatever the other rows.
+//
 // Fused variants (skinny_gemm_fused, M <= 16): the CTA first builds x in shared memory from the
 // layer's input (RMSNorm of the residual stream, or silu(gate) * up), with the formulas of the
 // rms_norm and silu_mul kernels, then runs the same main loop on it; the add epilogue
@@ -327,7 +331,7 @@ bool skinny_gemm_fused_supports(const void* in, const void* w, int64_t m, int64_
   }
   if (f.input == SkinnyInput::kRmsNorm && (f.gamma == nullptr || !detail::aligned16(f.gamma))) return false;
   if (f.input == SkinnyInput::kPlain && !f.add) return false;  // that is skinny_gemm
-  const int nt = m <= 8 ? 1 : 2;
+  const int nt = (m <= 8 && !f.batch_invariant) ? 1 : 2;
   return fused_smem_bytes(16, nt, m, k, f.input) <= kFusedMaxSmem;
 }
 
@@ -337,7 +341,7 @@ cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, i
   if (!skinny_gemm_fused_supports(in, w, m, k, f) || n < 0 || n > (int64_t{1} << 30) || out == nullptr) {
     return cudaErrorInvalidValue;
   }
-  const int nt = m <= 8 ? 1 : 2;
+  const int nt = (m <= 8 && !f.batch_invariant) ? 1 : 2;
   FusedFn kernel = nt == 1 ? pick_fused<1, 8>(f.input, f.add) : pick_fused<2, 4>(f.input, f.add);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const int64_t blocks = (n + 15) / 16;
@@ -366,11 +370,13 @@ cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t 
   if (!skinny_gemm_supports(x, w, m, k) || n < 0 || n > (int64_t{1} << 30) || out == nullptr) {
     return cudaErrorInvalidValue;
   }
-  const int nt = m <= 8 ? 1 : m <= 16 ? 2 : 4;
+  const bool invariant = config != nullptr && config->batch_invariant;
+  if (invariant && m > kBatchInvariantRows) return cudaErrorInvalidValue;
+  const int nt = invariant ? 2 : m <= 8 ? 1 : m <= 16 ? 2 : 4;
   int row_tiles = 1, unroll = nt == 1 ? 8 : nt == 2 ? 4 : 2, warps = 0;
   if (config != nullptr) {
-    if (config->row_tiles) row_tiles = config->row_tiles;
-    if (config->unroll) unroll = config->unroll;
+    if (config->row_tiles && !invariant) row_tiles = config->row_tiles;
+    if (config->unroll && !invariant) unroll = config->unroll;
     warps = config->warps;
   }
   KernelFn kernel = nt == 1   ? pick_shape<1>(row_tiles, unroll, out_f32)

@@ -121,7 +121,8 @@ STATS_KEYS = {
     "max_model_len", "num_threads", "workspace_bytes", "num_steps", "num_forward_tokens", "num_generated_tokens",
     "num_requests_finished", "num_nonfinite_requests", "draft_weight_bytes", "draft_kv_cache_bytes",
     "num_speculative_tokens", "draft_sampling", "num_spec_steps", "num_drafted", "num_accepted", "acceptance_length",
-    "accepted_per_position", "spec_time_s", "decode_time_s", "cuda_graphs", "graph_batch_sizes", "graph_capture_s",
+    "accepted_per_position", "spec_time_s", "decode_time_s", "cuda_graphs", "deterministic", "graph_batch_sizes",
+    "graph_capture_s",
     "graph_steps", "eager_steps", "eager_forwards", "pipelined_steps", "dropped_rows", "num_preemptions",
     "num_prefill_chunks", "num_running_requests", "num_waiting_requests", "prefix_caching", "num_cached_blocks",
     "num_evictable_blocks", "num_evicted_blocks", "prefix_cache_query_tokens", "prefix_cache_hit_tokens",
@@ -137,6 +138,20 @@ def test_stats_keys(sess):
     # the core's attributes are named by the same list as its dict
     core = sess._core.stats()
     assert all(getattr(core.engine if hasattr(core.engine, k) else core, k) == v for k, v in core.as_dict().items())
+
+
+def test_deterministic_is_a_cuda_mode(sess, tiny_model_dirs, monkeypatch):
+    assert sess.stats()["deterministic"] is False
+    with pytest.raises(ValueError, match="deterministic=True needs device='cuda'"):
+        dflash.Session(tiny_model_dirs["llama_gqa"], device="cpu", deterministic=True)
+    with pytest.raises(ValueError, match="deterministic must be True or False"):
+        dflash.Session(tiny_model_dirs["llama_gqa"], device="cpu", deterministic=1)
+    # The environment override reaches the same check (no CPU session quietly ignores it).
+    monkeypatch.setenv("DFLASH_BATCH_INVARIANT", "1")
+    with pytest.raises(ValueError, match="batch-invariant kernels"):
+        dflash.Session(tiny_model_dirs["llama_gqa"], device="cpu")
+    monkeypatch.delenv("DFLASH_BATCH_INVARIANT")
+    assert dflash.Session(tiny_model_dirs["llama_gqa"], device="cpu", deterministic=False).stats()["deterministic"] is False
 
 
 def test_ignore_eos_runs_to_max_tokens(sess):

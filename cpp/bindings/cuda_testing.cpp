@@ -347,13 +347,14 @@ bool check_gemm(const Any& x, const Any& w, const Any& out, const char* op) {
 // stream: a cudaStream_t as an integer (torch.cuda.current_stream().cuda_stream): launch there and
 // return; None: launch on the default stream and synchronise.
 void cuda_skinny_gemm(const Any& x, const Any& w, const Any& out, std::optional<uintptr_t> stream, int warps,
-                      int row_tiles, int unroll) {
+                      int row_tiles, int unroll, bool batch_invariant) {
   const bool f32 = check_gemm(x, w, out, "skinny_gemm");
   use_device(x.device_id());
   cuda::SkinnyGemmConfig config;
   config.warps = warps;
   config.row_tiles = row_tiles;
   config.unroll = unroll;
+  config.batch_invariant = batch_invariant;
   const cudaStream_t s = stream ? reinterpret_cast<cudaStream_t>(*stream) : nullptr;
   run("skinny_gemm", stream,
       cuda::skinny_gemm(bf16(x, "x"), bf16(w, "w"), x.shape(0), w.shape(0), x.shape(1), f32, out.data(), s, &config));
@@ -362,13 +363,14 @@ void cuda_skinny_gemm(const Any& x, const Any& w, const Any& out, std::optional<
 // The fused skinny GEMM: mode "rms_norm" (inp [M, K] normalised with gamma [K]), "silu_mul" (inp
 // [M, 2K] = [gate | up]) or "plain" (inp [M, K]); add: out (bf16 [M, N]) += the product.
 void cuda_skinny_gemm_fused(const Any& inp, const Any& w, const Any& out, const std::string& mode,
-                            std::optional<Any> gamma, float eps, bool add) {
+                            std::optional<Any> gamma, float eps, bool add, bool batch_invariant) {
   DFLASH_ARG_CHECK(inp.ndim() == 2 && w.ndim() == 2 && out.ndim() == 2 && out.shape(0) == inp.shape(0) &&
                        out.shape(1) == w.shape(0),
                    "skinny_gemm_fused: inp [M, K or 2K], w [N, K], out [M, N]");
   cuda::SkinnyFusion f;
   f.add = add;
   f.eps = eps;
+  f.batch_invariant = batch_invariant;
   int64_t in_cols = w.shape(1);
   if (mode == "rms_norm") {
     f.input = cuda::SkinnyInput::kRmsNorm;
@@ -502,10 +504,10 @@ void bind_cuda_testing(nb::module_& m) {
   m.def("cuda_sample", &cuda_sample, "logits"_a, "temperature"_a, "top_k"_a, "top_p"_a, "seed"_a,
         "position"_a, "tokens"_a);
   m.def("cuda_skinny_gemm", &cuda_skinny_gemm, "x"_a, "w"_a, "out"_a, "stream"_a.none() = nb::none(),
-        "warps"_a = 0, "row_tiles"_a = 0, "unroll"_a = 0);
+        "warps"_a = 0, "row_tiles"_a = 0, "unroll"_a = 0, "batch_invariant"_a = false);
   m.def("cuda_cublaslt_gemm", &cuda_cublaslt_gemm, "x"_a, "w"_a, "out"_a, "stream"_a.none() = nb::none());
   m.def("cuda_skinny_gemm_fused", &cuda_skinny_gemm_fused, "inp"_a, "w"_a, "out"_a, "mode"_a,
-        "gamma"_a.none() = nb::none(), "eps"_a = 1e-6f, "add"_a = false);
+        "gamma"_a.none() = nb::none(), "eps"_a = 1e-6f, "add"_a = false, "batch_invariant"_a = false);
   m.def("cuda_accept_drafts", &cuda_accept_drafts, "drafts"_a, "logits"_a, "temperature"_a,
         "top_k"_a, "top_p"_a, "seed"_a, "position"_a, "num_accepted"_a, "next_token"_a);
   m.def("cuda_accept_candidates", &cuda_accept_candidates, "drafts"_a, "cand_ids"_a.none(), "realized"_a,

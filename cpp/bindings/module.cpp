@@ -385,6 +385,9 @@ NB_MODULE(_core, m) {
       .def_rw("speculation", &SessionOptions::speculation)
       .def_rw("draft_lengths", &SessionOptions::draft_lengths)
       .def_rw("spec_cost_table", &SessionOptions::spec_cost_table)
+      .def_prop_rw(
+          "batch_invariant", [](const CoreConfig& c) { return c.kernels.batch_invariant; },
+          [](CoreConfig& c, bool on) { c.kernels.batch_invariant = on; })
       .def_rw("tap_layers", &detail::SessionHooks::tap_layers)
       .def_rw("pad_decode_batches", &detail::SessionHooks::pad_decode_batches)
       .def_rw("spec_length_schedule", &detail::SessionHooks::spec_length_schedule);

@@ -28,6 +28,7 @@ KernelOptions kernel_options_with_environment(KernelOptions options) {
   override_switch("DFLASH_PDL", &options.programmatic_launch);
   override_string("DFLASH_CPU_GEMM", &options.cpu_gemm);
   override_string("DFLASH_CUBLASLT_PATH", &options.cublaslt_path);
+  override_switch("DFLASH_BATCH_INVARIANT", &options.batch_invariant);
   return options;
 }
 

@@ -138,10 +138,15 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   // allocates anything.
   checkpoint_ = std::make_unique<Checkpoint>(model_dir);
   transformer_check_checkpoint(config_, *checkpoint_);
+  const KernelOptions kernels = kernel_options_with_environment(config.kernels);
+  DFLASH_ARG_CHECK(!kernels.batch_invariant || config.device == "cuda",
+                   "deterministic (batch-invariant kernels) is implemented by the CUDA backend only, not on device '",
+                   config.device, "'");
+  batch_invariant_ = kernels.batch_invariant;
   backend_ = backend_create(config.device, threads,
                             scratch_bytes(config_, config, static_cast<int64_t>(taps.size()), spec_tokens,
                                           config.draft_dir.empty() ? nullptr : &draft_config),
-                            kernel_options_with_environment(config.kernels));
+                            kernels);
   if (backend_->kind() == DeviceKind::kCUDA) {
     auto check_head_dim = [](int64_t hd, const std::string& what) {
       DFLASH_ARG_CHECK(hd == 64 || hd == 128, "the CUDA backend supports head_dim 64 and 128; ", what,
@@ -325,6 +330,7 @@ SessionStats Session::stats() const {
   s.num_waiting_requests = engine_->scheduler().num_waiting();
   s.engine = engine_->stats();
   s.cuda_graphs = engine_->cuda_graphs();
+  s.deterministic = batch_invariant_;
   s.graph_batch_sizes = engine_->graph_batch_sizes();
   s.graph_capture_s = graph_capture_s_;
   if (drafter_) {

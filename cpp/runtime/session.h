@@ -75,6 +75,7 @@ class Session {
  private:
   ModelConfig config_;
   SessionConfig session_config_;
+  bool batch_invariant_ = false;  // the kernels' batch_invariant after the environment overrides
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Checkpoint> checkpoint_;
   std::unique_ptr<Transformer> model_;

@@ -1,7 +1,8 @@
 // dflash::KernelOptions: which kernels a session's backend uses, for A/B timing and debugging.
 // Outputs stay within each backend's numerics whatever is chosen. The environment variables
-// DFLASH_GEMM, DFLASH_FUSED, DFLASH_ATTENTION, DFLASH_PDL, DFLASH_CPU_GEMM and
-// DFLASH_CUBLASLT_PATH, when set, override these fields once, when a session opens.
+// DFLASH_GEMM, DFLASH_FUSED, DFLASH_ATTENTION, DFLASH_PDL, DFLASH_CPU_GEMM,
+// DFLASH_CUBLASLT_PATH and DFLASH_BATCH_INVARIANT, when set, override these fields once, when a
+// session opens.
 #pragma once
 
 #include <string>
@@ -26,6 +27,14 @@ struct KernelOptions {
   // CUDA: a libcublasLt.so to try before the default names. Process-wide: the first CUDA session
   // loads the library.
   std::string cublaslt_path;
+  // CUDA: batch-invariant kernels (the Python Session's deterministic=True). Every linear layer
+  // and every attention call reduces each row in an order that depends on the model's shapes
+  // only, never on the number of rows, the batch or the kind of step, so a position's logits
+  // have the same bits decoded alone, in a batch, in a speculative verify step or in a prefill:
+  // speculative greedy output equals target-only greedy output token for token. Slower (linear
+  // layers in launches of 16 rows on the skinny kernel, no cuBLASLt; attention on one Triton
+  // kernel without split-KV). The CPU backend does not implement it (an error).
+  bool batch_invariant = false;
 };
 
 }  // namespace dflash

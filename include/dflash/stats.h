@@ -78,6 +78,7 @@ struct SessionStats {
   // "greedy", "probabilistic" (DFlash), "walk" / "greedy_walk" (DFlash2); "" without a drafter.
   std::string draft_sampling;
   bool cuda_graphs = false;                // decode steps replay captured CUDA graphs
+  bool deterministic = false;              // batch-invariant kernels (KernelOptions::batch_invariant)
   std::vector<int64_t> graph_batch_sizes;  // padded batch sizes of the decode programs
   double graph_capture_s = 0.0;            // time spent capturing them at start-up
   std::string speculation;                 // "fixed" / "adaptive"; "" without a drafter
@@ -152,6 +153,7 @@ void for_each_session_stat(Fn&& fn) {
   fn("num_speculative_tokens", &SessionStats::num_speculative_tokens);
   fn("draft_sampling", &SessionStats::draft_sampling);
   fn("cuda_graphs", &SessionStats::cuda_graphs);
+  fn("deterministic", &SessionStats::deterministic);
   fn("graph_batch_sizes", &SessionStats::graph_batch_sizes);
   fn("graph_capture_s", &SessionStats::graph_capture_s);
   fn("speculation", &SessionStats::speculation);

@@ -41,6 +41,7 @@ _RUNTIME_KWARGS = {
     "speculation": "speculation",
     "draft_lengths": "draft_lengths",
     "spec_cost_table": "spec_cost_table",
+    "deterministic": "batch_invariant",
 }
 
 
@@ -159,7 +160,11 @@ class Session:
         are always included), spec_cost_table (speculation="adaptive": the step costs to use instead
         of measuring them at start-up, as stats()["spec_cost_table"] gives them: {"batch_sizes",
         "lengths", "seconds"}; its lengths are the draft lengths, so draft_lengths is not passed with
-        it). Unknown keywords raise TypeError.
+        it), deterministic (CUDA, default False: batch-invariant kernels, so a position's logits
+        have the same bits whether it is decoded alone, in a batch, in a speculative verify step
+        or in a prefill, and greedy speculative decoding emits exactly the target-only greedy
+        tokens; slower, see the README; True on the CPU is a ValueError; stats()["deterministic"]
+        says which ran). Unknown keywords raise TypeError.
     """
 
     def __init__(
@@ -263,6 +268,13 @@ class Session:
             if graphs and config.device != "cuda":
                 raise ValueError("cuda_graphs=True needs device='cuda' (CUDA graphs do not exist on the CPU)")
             config.cuda_graphs = graphs
+        deterministic = kwargs.pop("deterministic", None)
+        if deterministic is not None:
+            if not isinstance(deterministic, bool):
+                raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
+            if deterministic and config.device != "cuda":
+                raise ValueError("deterministic=True needs device='cuda' (the CPU backend has no batch-invariant kernels)")
+            config.batch_invariant = deterministic
         for name, value in kwargs.items():
             setattr(config, _RUNTIME_KWARGS[name], _positive_int(name, value))
         self.model_dir = model_dir

@@ -46,6 +46,7 @@ CudaBackend::CudaBackend(int device, size_t scratch_bytes, const KernelOptions& 
     : device_(device), scratch_bytes_(scratch_bytes) {
   gemm_mode_ = gemm_mode_of(kernels.gemm);  // first: it may throw, before anything is allocated
   fused_layers_ = kernels.fused_layers;     // false: unfused layer ops, for A/B timing
+  batch_invariant_ = kernels.batch_invariant;
   DFLASH_ARG_CHECK(kernels.attention == "auto" || kernels.attention == "triton",
                    "kernels.attention (DFLASH_ATTENTION) must be auto or triton, got '", kernels.attention, "'");
   cuda_decode_attention_ = kernels.attention != "triton";
@@ -194,6 +195,7 @@ void CudaBackend::add_rms_norm(Tensor& residual, const Tensor& x, const Tensor& 
 }
 
 bool CudaBackend::skinny_for(int64_t m, const Tensor& w) const {
+  if (batch_invariant_) return true;  // every m, in slices (invariant_linear, try_fused)
   const int64_t n = w.dim(0), k = w.dim(1);
   const bool skinny = gemm_mode_ == GemmMode::kSkinny ||
                       (gemm_mode_ == GemmMode::kAuto && n * k <= kSkinnyGemmMaxWeight);
@@ -202,11 +204,44 @@ bool CudaBackend::skinny_for(int64_t m, const Tensor& w) const {
 
 bool CudaBackend::try_fused(const Tensor& in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion,
                             Tensor& out) {
-  if (!fused_layers_ || !skinny_for(m, w) || !cuda::skinny_gemm_fused_supports(in.data, w.data, m, w.dim(1), fusion)) return false;
+  const int64_t n = w.dim(0), k = w.dim(1);
+  if (batch_invariant_) {
+    // Fused only where a full slice fits (a choice by K, never by m), then slice by slice.
+    cuda::SkinnyFusion f = fusion;
+    f.batch_invariant = true;
+    if (!fused_layers_ || !cuda::skinny_gemm_fused_supports(in.data, w.data, cuda::kBatchInvariantRows, k, f)) {
+      return false;
+    }
+    check_bf16(in, "fused linear input");
+    check_bf16(out, "fused linear output");
+    const int64_t in_width = f.input == cuda::SkinnyInput::kSiluMul ? 2 * k : k;
+    for (int64_t r0 = 0; r0 < m; r0 += cuda::kBatchInvariantRows) {
+      const int64_t rows = std::min(cuda::kBatchInvariantRows, m - r0);
+      DFLASH_CUDA_CHECK(cuda::skinny_gemm_fused(bf(in) + r0 * in_width, bf(w), rows, n, k, f, bf(out) + r0 * n, stream_));
+    }
+    return true;
+  }
+  if (!fused_layers_ || !skinny_for(m, w) || !cuda::skinny_gemm_fused_supports(in.data, w.data, m, k, fusion)) return false;
   check_bf16(in, "fused linear input");
   check_bf16(out, "fused linear output");
-  DFLASH_CUDA_CHECK(cuda::skinny_gemm_fused(bf(in), bf(w), m, w.dim(0), w.dim(1), fusion, bf(out), stream_));
+  DFLASH_CUDA_CHECK(cuda::skinny_gemm_fused(bf(in), bf(w), m, n, k, fusion, bf(out), stream_));
   return true;
+}
+
+void CudaBackend::invariant_linear(const Tensor& x, const Tensor& w, int64_t m, Tensor& out) {
+  const int64_t n = w.dim(0), k = w.dim(1);
+  DFLASH_CHECK(cuda::skinny_gemm_supports(x.data, w.data, 1, k), "batch-invariant linear: the skinny kernel does not "
+               "support x ", shape_str(x.shape), " w ", shape_str(w.shape), " (K % 8 == 0 and 16-byte aligned rows)");
+  check_bf16(x, "batch-invariant linear input");
+  const bool f32 = out.dtype == DType::kF32;
+  const int64_t out_bytes = f32 ? 4 : 2;
+  cuda::SkinnyGemmConfig config;
+  config.batch_invariant = true;
+  for (int64_t r0 = 0; r0 < m; r0 += cuda::kBatchInvariantRows) {
+    const int64_t rows = std::min(cuda::kBatchInvariantRows, m - r0);
+    DFLASH_CUDA_CHECK(cuda::skinny_gemm(bf(x) + r0 * k, bf(w), rows, n, k, f32,
+                                        static_cast<char*>(out.data) + r0 * n * out_bytes, stream_, &config));
+  }
 }
 
 void CudaBackend::rms_norm_linear(const Tensor& x, const Tensor& norm_w, float eps, const Tensor& w, Tensor& out,
@@ -254,6 +289,10 @@ void CudaBackend::linear(const Tensor& x, const Tensor& w, Tensor& out) {
   const int64_t n = w.dim(0), k = w.dim(1), m = x.numel() / k;
   DFLASH_CHECK(x.numel() == m * k && out.numel() == m * n, "linear: shape mismatch x ", shape_str(x.shape), " w ",
                shape_str(w.shape), " out ", shape_str(out.shape));
+  if (batch_invariant_) {
+    invariant_linear(x, w, m, out);
+    return;
+  }
   if (skinny_for(m, w) && cuda::skinny_gemm_supports(x.data, w.data, m, k)) {
     DFLASH_CUDA_CHECK(cuda::skinny_gemm(bf(x), bf(w), m, n, k, out.dtype == DType::kF32, out.data, stream_));
     return;
@@ -329,7 +368,11 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
   a.workspace_bytes = attention_workspace_bytes_;
   a.counters = attention_counters_;  // the CUDA decode kernel's split-KV counters
   a.counter_slots = kAttentionCounterSlots;
-  if (cuda_decode_attention_ && int64_t{meta.num_seqs} * pool.num_kv_heads <= kCudaDecodeMaxPairs) {
+  if (batch_invariant_) {
+    // One kernel for every query count (a row's keys in the same BLOCK_N tiles from key 0, no
+    // split-KV): decode, verify and prefill rows of a position get the same bits.
+    a.force_variant = PagedAttentionVariant::kPrefill;
+  } else if (cuda_decode_attention_ && int64_t{meta.num_seqs} * pool.num_kv_heads <= kCudaDecodeMaxPairs) {
     // few rows per (sequence, KV head), few pairs: the CUDA decode kernel
     if (cuda::decode_attention_check(a) == nullptr) {
       DFLASH_CUDA_CHECK(cuda::decode_attention(a, stream_));

@@ -120,6 +120,8 @@ class CudaBackend final : public Backend {
   bool skinny_for(int64_t m, const Tensor& w) const;
   // The fused skinny kernel when skinny_for() and the kernel supports the shape; false: not run.
   bool try_fused(const Tensor& in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion, Tensor& out);
+  // out[m, N] = x[m, K] @ w^T on the batch-invariant skinny shape, kBatchInvariantRows rows a launch.
+  void invariant_linear(const Tensor& x, const Tensor& w, int64_t m, Tensor& out);
 
   int device_;
   cudaStream_t stream_ = nullptr;
@@ -157,6 +159,11 @@ class CudaBackend final : public Backend {
   static constexpr int64_t kSkinnyGemmMaxWeight = int64_t{4096} * 4096;
   GemmMode gemm_mode_ = GemmMode::kAuto;
   bool fused_layers_ = true;  // KernelOptions::fused_layers false: the layer ops compose the unfused kernels
+  // KernelOptions::batch_invariant: every linear layer on the skinny kernel's batch-invariant
+  // shape in launches of cuda::kBatchInvariantRows rows (no cuBLASLt), the fused forms only where
+  // a full slice fits, every attention on the Triton prefill kernel (one kernel for every query
+  // count, no split-KV): a row's bits do not depend on the other rows of the step.
+  bool batch_invariant_ = false;
   std::string cublaslt_path_;  // KernelOptions::cublaslt_path
   std::unique_ptr<triton_aot::Modules> triton_;
 };
