@@ -13,6 +13,7 @@ _t1 (over --shipped-mode) are written too.
 
 Usage: python bench/update_headline_acceptance.py --acceptance bench/results/acceptance_smollm2_h200.json
            --e2e-gpu bench/results/cuda_smollm2_dflash_e2e.json --e2e-cpu bench/results/cpu_smollm2_dflash_e2e.json
+       python bench/update_headline_acceptance.py --e2e-cpu bench/results/cpu_smollm2_dflash_e2e.json  # one source
 """
 
 from __future__ import annotations
@@ -96,11 +97,13 @@ def main() -> None:
     args = ap.parse_args()
     path = Path(args.out) / HEADLINE_NAME
     head = json.loads(path.read_text()) if path.is_file() else {}
-    if (args.acceptance is None) == (args.modes is None):
-        ap.error("give one of --acceptance and --modes")
+    if args.acceptance is not None and args.modes is not None:
+        ap.error("give at most one of --acceptance and --modes")
+    if args.acceptance is None and args.modes is None and not (args.e2e_gpu or args.e2e_cpu):
+        ap.error("nothing to copy: give --acceptance or --modes, and/or --e2e-gpu / --e2e-cpu")
     if args.acceptance:
         head.update(acceptance_figures(json.loads(Path(args.acceptance).read_text())))
-    else:
+    elif args.modes:
         head.update(modes_figures(json.loads(Path(args.modes).read_text()), args.shipped_mode, args.dflash2_mode))
     for device, src in (("gpu", args.e2e_gpu), ("cpu", args.e2e_cpu)):
         if src:

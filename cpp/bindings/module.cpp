@@ -11,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "api/session_access.h"
@@ -125,6 +126,35 @@ nb::object cpu_linear(const F32Array& x, const F32Array& w, int num_threads, con
   backend.linear(wrap(x, DType::kF32), wrap(w, DType::kF32), out_t);
   std::memcpy(out.data(), out_t.data, out.size() * sizeof(float));
   return to_numpy_2d(out, static_cast<int64_t>(w.shape(0)));
+}
+
+// Seconds of each of `repeats` passes of the CPU backend's linear layer over weights of `shapes`
+// [N, K] (each its own backend tensor, values fixed; speed does not depend on them) at `rows`
+// rows, after one untimed pass: the GEMMs of a decode or verify step, for bench/bench_cpu_gemm.py.
+std::vector<double> cpu_linear_pass_seconds(const std::vector<std::vector<int64_t>>& shapes, int64_t rows,
+                                            int num_threads, const std::string& cpu_gemm, int repeats) {
+  DFLASH_ARG_CHECK(rows >= 1 && repeats >= 1, "rows and repeats must be >= 1");
+  KernelOptions kernels;
+  kernels.cpu_gemm = cpu_gemm;
+  CpuBackend backend(num_threads, kernels);
+  std::vector<Tensor> ws, xs, outs;
+  for (const std::vector<int64_t>& s : shapes) {
+    DFLASH_ARG_CHECK(s.size() == 2 && s[0] >= 1 && s[1] >= 1, "each shape is [N, K] with N, K >= 1");
+    Tensor w = backend.empty(s, DType::kF32), x = backend.empty({rows, s[1]}, DType::kF32);
+    for (int64_t i = 0; i < w.numel(); ++i) w.ptr<float>()[i] = 0.01f * static_cast<float>(i % 7);
+    std::fill(x.ptr<float>(), x.ptr<float>() + x.numel(), 0.5f);
+    ws.push_back(std::move(w));
+    xs.push_back(std::move(x));
+    outs.push_back(backend.empty({rows, s[0]}, DType::kF32));
+  }
+  std::vector<double> seconds;
+  for (int r = 0; r <= repeats; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < ws.size(); ++i) backend.linear(xs[i], ws[i], outs[i]);
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (r > 0) seconds.push_back(t);
+  }
+  return seconds;
 }
 
 // The CPU backend's non-finite row flags of logits [R, V]: int32 [R] (1: a NaN or an infinity).
@@ -277,7 +307,10 @@ NB_MODULE(_core, m) {
   testing.def("cpu_nonfinite_rows", &cpu_nonfinite_rows, "logits"_a,
               "The CPU backend's row flags: 1 where a row of logits [R, V] holds a NaN or an infinity.");
   testing.def("cpu_linear", &cpu_linear, "x"_a, "w"_a, "num_threads"_a = 2, "cpu_gemm"_a = "auto",
-              "The CPU backend's linear layer x @ w.T (cpu_gemm picks the kernel: auto or blas).");
+              "The CPU backend's linear layer x @ w.T (cpu_gemm picks the kernel: auto, avx512, avx2 or blas).");
+  testing.def("cpu_linear_pass_seconds", &cpu_linear_pass_seconds, "shapes"_a, "rows"_a, "num_threads"_a = 2,
+              "cpu_gemm"_a = "auto", "repeats"_a = 5,
+              "Seconds of each timed pass of the CPU linear layer over weights of `shapes` [N, K] at `rows` rows.");
   // Adaptive speculation's policy (runtime/spec_policy.h) on synthetic cost tables: rows
   // [batch_size, seconds of each of `lengths`].
   testing.def("spec_expected_tokens", &spec_expected_tokens, "rates"_a, "length"_a, "remaining"_a,

@@ -21,8 +21,10 @@ struct KernelOptions {
   std::string attention = "auto";
   // CUDA: programmatic dependent launch. Process-wide: the last CUDA session opened sets it.
   bool programmatic_launch = true;
-  // CPU GEMMs: "auto" (the AVX2/FMA skinny kernel for few rows where the CPU has it) or "blas"
-  // (OpenBLAS for every GEMM).
+  // CPU GEMMs: "auto" (every GEMM on the AVX-512 skinny kernel where the CPU has AVX-512; else 2..16
+  // rows on the AVX2/FMA one and the rest on OpenBLAS split over the backend's threads), "avx512" /
+  // "avx2" (that skinny kernel; an error where the CPU lacks it) or "blas" (OpenBLAS on its own
+  // threads for every GEMM).
   std::string cpu_gemm = "auto";
   // CUDA: a libcublasLt.so to try before the default names. Process-wide: the first CUDA session
   // loads the library.

@@ -53,13 +53,29 @@ CpuBackend::CpuBackend(int num_threads, const KernelOptions& kernels) : num_thre
   const int max_threads = std::max(1024, static_cast<int>(std::thread::hardware_concurrency()));
   DFLASH_ARG_CHECK(num_threads >= 1 && num_threads <= max_threads,
                    "num_threads must be in [1, ", max_threads, "], got ", num_threads);
-  scipy_openblas_set_num_threads(num_threads);
   pool_ = std::make_unique<ThreadPool>(num_threads);
-  // cpu_gemm "auto" uses the skinny kernel for up to kCpuSkinnyMaxRows rows when the CPU has
-  // AVX2/FMA; "blas" sends every GEMM to OpenBLAS (for comparisons).
-  DFLASH_ARG_CHECK(kernels.cpu_gemm == "auto" || kernels.cpu_gemm == "blas",
-                   "kernels.cpu_gemm (DFLASH_CPU_GEMM) must be auto or blas, got '", kernels.cpu_gemm, "'");
-  skinny_gemm_ = kernels.cpu_gemm != "blas" && cpu_skinny_gemm_supported();
+  // cpu_gemm: "auto" takes the AVX-512 skinny kernel (every GEMM) where the CPU has AVX-512, else
+  // the AVX2 one for its rows where it has AVX2/FMA; "avx512" / "avx2" ask for
+  // one (an error where the CPU lacks it); "blas" sends every GEMM to OpenBLAS on its own threads
+  // (the reference for comparisons).
+  const std::string& mode = kernels.cpu_gemm;
+  DFLASH_ARG_CHECK(mode == "auto" || mode == "avx512" || mode == "avx2" || mode == "blas",
+                   "kernels.cpu_gemm (DFLASH_CPU_GEMM) must be auto, avx512, avx2 or blas, got '", mode, "'");
+  DFLASH_ARG_CHECK(mode != "avx512" || cpu_skinny_gemm_avx512_supported(),
+                   "kernels.cpu_gemm (DFLASH_CPU_GEMM) is avx512 but this CPU has no AVX-512F");
+  DFLASH_ARG_CHECK(mode != "avx2" || cpu_skinny_gemm_supported(),
+                   "kernels.cpu_gemm (DFLASH_CPU_GEMM) is avx2 but this CPU has no AVX2/FMA");
+  if (mode == "avx512" || (mode == "auto" && cpu_skinny_gemm_avx512_supported())) {
+    skinny_ = SkinnyKernel::kAvx512;
+  } else if (mode == "avx2" || (mode == "auto" && cpu_skinny_gemm_supported())) {
+    skinny_ = SkinnyKernel::kAvx2;
+  }
+  // Outside "blas" the backend splits BLAS GEMMs over its own pool, one OpenBLAS thread each:
+  // OpenBLAS's own threads spin for a while after each call, and on a machine of few cores that
+  // spinning took the cores from the pool's next loops (the skinny GEMMs of the following step).
+  // OpenBLAS's thread count is process-wide: the last CPU backend created sets it.
+  blas_threads_ = mode == "blas";
+  scipy_openblas_set_num_threads(blas_threads_ ? num_threads : 1);
 }
 
 void CpuBackend::parallel(int64_t n, int64_t work_per_item,
@@ -153,25 +169,45 @@ void CpuBackend::linear(const Tensor& x, const Tensor& w, Tensor& out) {
   DFLASH_CHECK(x.numel() == m * k && out.numel() == m * n, "linear: shape mismatch x ",
                shape_str(x.shape), " w ", shape_str(w.shape), " out ", shape_str(out.shape));
   if (m == 0) return;
-  if (skinny_gemm_ && m >= kCpuSkinnyMinRows && m <= kCpuSkinnyMaxRows) {
-    // Decode / verify rows: weights read once for all rows, batch-invariant results.
-    const float* xp = x.ptr<float>();
-    const float* wp = w.ptr<float>();
-    float* op = out.ptr<float>();
-    constexpr int64_t kColumnsPerItem = 64;
+  const float* xp = x.ptr<float>();
+  const float* wp = w.ptr<float>();
+  float* op = out.ptr<float>();
+  const bool avx512 = skinny_ == SkinnyKernel::kAvx512;
+  const bool avx2 = skinny_ == SkinnyKernel::kAvx2 && m >= kCpuSkinnyMinRows && m <= kCpuSkinnyAvx2MaxRows;
+  if (avx512 || avx2) {
+    // Weights read once for all rows (per column block), batch-invariant results.
+    constexpr int64_t kColumnsPerItem = kCpuSkinnyColumnBlock;
     const int64_t items = (n + kColumnsPerItem - 1) / kColumnsPerItem;
     parallel(items, kColumnsPerItem * k * m, [&](int64_t i0, int64_t i1) {
-      cpu_skinny_gemm(xp, wp, op, m, n, k, i0 * kColumnsPerItem, std::min(n, i1 * kColumnsPerItem));
+      const int64_t n0 = i0 * kColumnsPerItem, n1 = std::min(n, i1 * kColumnsPerItem);
+      if (avx512) {
+        cpu_skinny_gemm_avx512(xp, wp, op, m, n, k, n0, n1);
+      } else {
+        cpu_skinny_gemm(xp, wp, op, m, n, k, n0, n1);
+      }
     });
     return;
   }
-  if (m == 1) {
-    scipy_cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w.ptr<float>(), k,
-                      x.ptr<float>(), 1, 0.0f, out.ptr<float>(), 1);
-  } else {
-    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x.ptr<float>(), k,
-                      w.ptr<float>(), k, 0.0f, out.ptr<float>(), n);
+  if (blas_threads_) {  // OpenBLAS on its own threads
+    if (m == 1) {
+      scipy_cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, wp, k, xp, 1, 0.0f, op, 1);
+    } else {
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, xp, k, wp, k, 0.0f, op, n);
+    }
+    return;
   }
+  // Column blocks over the pool, each a single-threaded OpenBLAS call.
+  constexpr int64_t kBlasColumns = 64;
+  const int64_t items = (n + kBlasColumns - 1) / kBlasColumns;
+  parallel(items, kBlasColumns * k * m, [&](int64_t i0, int64_t i1) {
+    const int64_t n0 = i0 * kBlasColumns, cols = std::min(n, i1 * kBlasColumns) - n0;
+    if (m == 1) {
+      scipy_cblas_sgemv(CblasRowMajor, CblasNoTrans, cols, k, 1.0f, wp + n0 * k, k, xp, 1, 0.0f, op + n0, 1);
+    } else {
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, cols, k, 1.0f, xp, k, wp + n0 * k, k, 0.0f,
+                        op + n0, n);
+    }
+  });
 }
 
 void CpuBackend::silu_mul(const Tensor& gate_up, Tensor& out) {

@@ -84,7 +84,9 @@ class CpuBackend final : public Backend {
   void parallel(int64_t n, int64_t work_per_item, const std::function<void(int64_t, int64_t)>& fn);
 
   int num_threads_;
-  bool skinny_gemm_ = false;  // linear() of few rows through cpu_skinny_gemm (AVX2/FMA)
+  enum class SkinnyKernel { kNone, kAvx2, kAvx512 };
+  SkinnyKernel skinny_ = SkinnyKernel::kNone;  // linear() of few rows (cpu_skinny_gemm.h)
+  bool blas_threads_ = false;  // cpu_gemm "blas": OpenBLAS runs its GEMMs on its own threads
   std::unique_ptr<ThreadPool> pool_;
 };
 
