@@ -22,7 +22,7 @@ speculation included) and, for adaptive, the draft lengths it chose and its cost
 
 Usage: python bench/bench_dflash_e2e.py --draft DRAFT_DIR [--model DIR] [--device cpu|cuda]
            [--num-prompts 8] [--max-tokens 128] [--variants default,adaptive,fixed:3] [--repeats 2]
-           [--concurrency 1] [--out bench/results] [--name FILE]
+           [--concurrency 1] [--deterministic] [--out bench/results] [--name FILE]
 Writes OUT/<device>_smollm2_dflash_e2e.json (or <device>_dflash_e2e.json for another model).
 """
 
@@ -134,6 +134,9 @@ def main():
                     help="rounds over every system (target-only first in each); seconds are the median")
     ap.add_argument("--concurrency", type=int, default=1,
                     help="requests generated together (groups of this many prompts, one after another)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="every session (target-only too) with deterministic=True: batch-invariant CUDA kernels, "
+                         "so speculative greedy output should equal target-only greedy output token for token")
     ap.add_argument("--gsm8k", default=None, help="GSM8K test.jsonl")
     ap.add_argument("--label", default="", help="what drafter this is (recorded)")
     ap.add_argument("--out", default="bench/results")
@@ -148,12 +151,13 @@ def main():
         raise SystemExit("--variants needs at least one system, each once")
     # Every session stays loaded; each round runs them one after another, so drift in the
     # machine's speed hits every system alike.
-    ar = dflash.Session(model, draft="none", device=args.device)
+    common = {"deterministic": True} if args.deterministic else {}
+    ar = dflash.Session(model, draft="none", device=args.device, **common)
     systems = {}
     for name, kw in variants:
         if args.num_speculative_tokens is not None:
             kw.setdefault("num_speculative_tokens", args.num_speculative_tokens)
-        systems[name] = dflash.Session(model, draft=args.draft, device=args.device, **kw)
+        systems[name] = dflash.Session(model, draft=args.draft, device=args.device, **common, **kw)
     for sess in [ar, *systems.values()]:
         run(sess, prompts[:1], 8)  # warm-up
     before = {name: sess.stats() for name, sess in systems.items()}
@@ -181,7 +185,7 @@ def main():
         "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), "machine": machine(args.device),
         "device": args.device, "model": model, "draft": args.draft, "draft_label": args.label,
         "prompts": f"GSM8K test[:{args.num_prompts}] + boxed suffix, chat", "max_tokens": args.max_tokens,
-        "concurrency": args.concurrency,
+        "concurrency": args.concurrency, "deterministic": args.deterministic,
         "num_speculative_tokens": head["num_speculative_tokens"],
         "cuda_graphs": systems[head_name].stats().get("cuda_graphs", False),
         "repeats": args.repeats, "headline_variant": head_name,

@@ -1,22 +1,24 @@
 #!/usr/bin/env python3
-"""Skinny GEMM (cuda/skinny_gemm.cu) against cuBLASLt on the decode GEMMs of a Qwen3-8B
-geometry, on one GPU, in one run:
+"""Skinny GEMMs (cuda/skinny_gemm.cu, cuda/stream_gemm.cu) against cuBLASLt on the decode GEMMs
+of a Qwen3-8B geometry, on one GPU, in one run:
 
   copy_bw       device-to-device copy of a 4 GiB buffer (torch, CUDA events, best of 5, counting
                 read + write bytes): the roofline of this run.
   shapes        every weight GEMM shape of the target and the drafter (N, K; the LM head with fp32
                 logits) at M = 1, 4, 8, 16 rows: time per GEMM, GB/s of weight bytes read and its
                 fraction of copy_bw for
-                  skinny    the launcher's default kernel shape (what the CUDA backend runs),
+                  skinny    the skinny kernel's default shape (DFLASH_GEMM=skinny / auto),
+                  stream    the streaming kernel's default shape (DFLASH_GEMM=stream),
                   cublaslt  the CUDA backend's cuBLASLt plan (through testing.cuda_cublaslt_gemm),
                   torch     torch.mm (cuBLAS) as a second reference,
-                  sweep     every built skinny kernel shape (warps x row tiles x unroll), best one.
+                  sweep     (--sweep skinny|stream) every built shape of that kernel (skinny: warps x
+                            row tiles x unroll; stream: warps x stages x unroll), best one.
                 Each figure: one CUDA graph of >= 20 GEMMs that rotate over distinct weight
                 copies (together >= 4 x the L2 size, so L2 never serves w), replayed; the best of
                 --trials timings (CUDA events) divided by the number of GEMMs.
   step          every weight GEMM of a decode step (36 x fused QKV, O, fused gate/up, down, and
                 the LM head; distinct weights per layer, 15.1 GB) in one CUDA graph, at M = 1 and
-                16, skinny vs cublaslt vs torch. Compare with the cuBLAS floor of
+                16, skinny vs stream vs cublaslt vs torch. Compare with the cuBLAS floor of
                 shared/spec/build-facts.md (4.22 ms, 83.5 % of the copy bandwidth at M = 1).
   drafter_step  a DFlash-b16 drafter's GEMMs (fc, stacked K/V of 5 layers, 5 layers) + the LM head
                 at M = 15 (floor there: 1.00 ms, 77.9 %).
@@ -24,7 +26,8 @@ The kernels launch on torch's current stream (the bindings' stream argument), so
 captured into the graphs like torch's own kernels. Weights are random bf16 (values do not
 change the timing).
 
-Usage (GPU machine, dflash installed): python bench/bench_gpu_gemv.py [--out FILE] [--no-sweep]
+Usage (GPU machine, dflash installed):
+  python bench/bench_gpu_gemv.py [--out FILE] [--sweep stream|skinny|none]
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ ROWS = [1, 4, 8, 16]
 # Built kernel shapes (row_tiles, unroll) per column-tile count (M <= 8, 16, 32); see kernels.h.
 KERNEL_SHAPES = {1: [(1, 8), (1, 4), (2, 4)], 2: [(1, 4), (2, 2)], 4: [(1, 2), (2, 2)]}
 SWEEP_WARPS = [4, 8, 16]
+# Built streaming shapes (unroll, stages); unroll 8 only for M <= 8 and at most 8 warps.
+STREAM_SHAPES = [(4, 3), (4, 4), (4, 6), (8, 3), (8, 4), (8, 6)]
+METHODS = ("skinny", "stream", "cublaslt", "torch")
 
 
 def ops():
@@ -68,6 +74,10 @@ def stream():
 
 def skinny(x, w, out, **shape):
     return lambda: ops().cuda_skinny_gemm(x, w, out, stream=stream(), **shape)
+
+
+def stream_gemm(x, w, out, **shape):
+    return lambda: ops().cuda_stream_gemm(x, w, out, stream=stream(), **shape)
 
 
 def cublaslt(x, w, out):
@@ -165,14 +175,16 @@ def bench_one(name, n, k, f32, m, ws, gen, copy_bw, trials, sweep, sms):
 
     row = {"name": name, "n": n, "k": k, "m": m, "out": "fp32" if f32 else "bf16", "weight_bytes": w_bytes,
            "weight_copies": copies, "gemms_per_graph": calls_per_graph, "default_shape": default_shape(m, n, sms)}
-    for label, make in (("skinny", skinny), ("cublaslt", cublaslt), ("torch", torch_mm)):
+    for label, make in zip(METHODS, (skinny, stream_gemm, cublaslt, torch_mm)):
         row[label] = timed(make)
     # agreement of the two paths on one GEMM (bf16 / fp32 rounding only)
     a, b = torch.empty_like(outs[0]), torch.empty_like(outs[0])
     ops().cuda_skinny_gemm(x, ws[0], a)
     ops().cuda_cublaslt_gemm(x, ws[0], b)
     row["max_abs_diff_skinny_vs_cublaslt"] = (a.float() - b.float()).abs().max().item()
-    if sweep:
+    ops().cuda_stream_gemm(x, ws[0], a)
+    row["max_abs_diff_stream_vs_cublaslt"] = (a.float() - b.float()).abs().max().item()
+    if sweep == "skinny":
         row["sweep"] = []
         for warps in SWEEP_WARPS:
             for row_tiles, unroll in KERNEL_SHAPES[num_col_tiles(m)]:
@@ -180,16 +192,30 @@ def bench_one(name, n, k, f32, m, ws, gen, copy_bw, trials, sweep, sms):
                 f = timed(skinny, **shape)
                 if f is not None:
                     row["sweep"].append({**shape, **f})
+    elif sweep == "stream":
+        row["sweep"] = []
+        for warps in SWEEP_WARPS:
+            for unroll, stages in STREAM_SHAPES:
+                if unroll == 8 and (m > 8 or warps > 8):
+                    continue
+                shape = {"warps": warps, "unroll": unroll, "stages": stages}
+                try:
+                    f = timed(stream_gemm, **shape)
+                except Exception:  # noqa: BLE001 - a shape whose shared memory does not fit
+                    continue
+                if f is not None:
+                    row["sweep"].append({**shape, **f})
         if row["sweep"]:
             row["sweep_best"] = min(row["sweep"], key=lambda r: r["s"])
     line = f"{name:11s} N={n:6d} K={k:5d} M={m:2d}:"
-    for label in ("skinny", "cublaslt", "torch"):
+    for label in METHODS:
         f = row[label]
         line += f"  {label} " + ("failed" if f is None else
                                  f"{f['s'] * 1e6:7.1f} us {f['fraction_of_copy_bw'] * 100:5.1f} %")
     if row.get("sweep_best"):
         sb = row["sweep_best"]
-        line += f"  best shape w{sb['warps']} r{sb['row_tiles']} u{sb['unroll']} {sb['fraction_of_copy_bw'] * 100:5.1f} %"
+        line += f"  best {sweep} shape " + " ".join(f"{k}={sb[k]}" for k in ("warps", "row_tiles", "unroll", "stages")
+                                                   if k in sb) + f" {sb['fraction_of_copy_bw'] * 100:5.1f} %"
     print(line, flush=True)
     return row
 
@@ -234,7 +260,7 @@ def gemm_list(layers, lm_head, extra, m, gen):
 def bench_sequence(seq, trials, copy_bw):
     w_bytes = sum(w.numel() * 2 for _, w, _ in seq)
     res = {"gemms": len(seq), "weight_bytes": w_bytes}
-    for label, make in (("skinny", skinny), ("cublaslt", cublaslt), ("torch", torch_mm)):
+    for label, make in zip(METHODS, (skinny, stream_gemm, cublaslt, torch_mm)):
         res[label] = figure(graph_time([make(x, w, o) for x, w, o in seq], trials, replays=2), w_bytes, copy_bw)
     return res
 
@@ -243,7 +269,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/gpu_h200_skinny_gemm.json")
     ap.add_argument("--trials", type=int, default=10)
-    ap.add_argument("--no-sweep", action="store_true", help="skip the sweep of kernel shapes")
+    ap.add_argument("--sweep", choices=("stream", "skinny", "none"), default="stream",
+                    help="which kernel's built shapes to sweep (default stream)")
+    ap.add_argument("--no-sweep", action="store_true", help="the same as --sweep none")
     args = ap.parse_args()
     import dflash
 
@@ -267,7 +295,8 @@ def main():
     res["copy_bw_gbs"] = bw
     print(f"{res['machine']}: copy bandwidth {bw:.0f} GB/s (read + write)", flush=True)
     save()
-    res["shapes"] = bench_shapes(bw, l2, args.trials, not args.no_sweep, prop.multi_processor_count)
+    res["shapes"] = bench_shapes(bw, l2, args.trials, "none" if args.no_sweep else args.sweep,
+                                 prop.multi_processor_count)
     save()
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -277,13 +306,13 @@ def main():
         res[f"step_m{m}"] = r
         print(f"decode step GEMMs M={m:2d} ({r['gemms']} GEMMs, {r['weight_bytes'] / 1e9:.2f} GB): " + "  ".join(
             f"{k} {r[k]['s'] * 1e3:.3f} ms {r[k]['fraction_of_copy_bw'] * 100:.1f} %" if r[k] else f"{k} failed"
-            for k in ("skinny", "cublaslt", "torch")), flush=True)
+            for k in METHODS), flush=True)
         save()
     r = bench_sequence(gemm_list(layers[:5], lm_head, [fc, kv], 15, gen), args.trials, bw)
     res["drafter_step_m15"] = r
     print(f"drafter GEMMs + LM head M=15 ({r['gemms']} GEMMs, {r['weight_bytes'] / 1e9:.2f} GB): " + "  ".join(
         f"{k} {r[k]['s'] * 1e3:.3f} ms {r[k]['fraction_of_copy_bw'] * 100:.1f} %" if r[k] else f"{k} failed"
-        for k in ("skinny", "cublaslt", "torch")), flush=True)
+        for k in METHODS), flush=True)
     res["wall_s"] = time.perf_counter() - t0
     save()
     print(f"wrote {out_path} ({res['wall_s']:.0f} s)")

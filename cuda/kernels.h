@@ -105,6 +105,27 @@ bool skinny_gemm_fused_supports(const void* in, const void* w, int64_t m, int64_
 cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, int64_t m, int64_t n, int64_t k,
                               const SkinnyFusion& fusion, __nv_bfloat16* out, cudaStream_t stream);
 
+// Streaming skinny GEMM (cuda/stream_gemm.cu): the product and fusions of skinny_gemm_fused
+// (plus the plain product, whose out may be fp32) from persistent CTAs that keep every warp's
+// weight copies in flight through a shared-memory ring, across tiles and kernel boundaries.
+// M <= kStreamGemmMaxRows, K % 8 == 0, 16-byte aligned inputs; stream_gemm_supports says whether a
+// launch shape fits (shared memory). config (benchmarks; 0 = the launcher's choice): warps per CTA
+// (1..16), stages (3, 4 or 6; 6 plain only), unroll (4, or 8 with M <= 8 plain), CTAs per SM (at
+// most the occupancy); batch_invariant as SkinnyGemmConfig's (NT 2, W from K, smem for 16 rows).
+struct StreamGemmConfig {
+  int warps = 0;
+  int stages = 0;
+  int unroll = 0;
+  int ctas_per_sm = 0;
+  bool batch_invariant = false;
+};
+constexpr int64_t kStreamGemmMaxRows = 16;
+bool stream_gemm_supports(const void* in, const void* w, int64_t m, int64_t k, const SkinnyFusion& fusion,
+                          bool out_f32, const StreamGemmConfig* config = nullptr);
+cudaError_t stream_gemm(const __nv_bfloat16* in, const __nv_bfloat16* w, int64_t m, int64_t n, int64_t k,
+                        const SkinnyFusion& fusion, bool out_f32, void* out, cudaStream_t stream,
+                        const StreamGemmConfig* config = nullptr);
+
 // fp32 <-> bf16 element conversion
 cudaError_t bf16_to_f32(const __nv_bfloat16* x, int64_t n, float* out, cudaStream_t stream);
 cudaError_t f32_to_bf16(const float* x, int64_t n, __nv_bfloat16* out, cudaStream_t stream);

@@ -38,97 +38,17 @@
 // DFLASH_PDL on the weight stream starts while that kernel is still finishing.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/skinny_common.cuh"
 
 namespace dflash {
 namespace cuda {
 
 namespace {
 
-constexpr int kChunk = 32;  // k per warp chunk: 4 lanes x 8 bf16 of one row
-
-// 16 bytes of w: read once, so not cached in L1 (keeps L1 for x).
-__device__ __forceinline__ uint4 load_w(const __nv_bfloat16* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
-// 16 bytes of x: read by every CTA, cached in L1.
-__device__ __forceinline__ uint4 load_x(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-// c[16 x 8] += a[16 x 16] (row) * b[16 x 8] (col), bf16 in, fp32 accumulate.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Shared-memory reduction buffer: [W][8 NT][16 R + 4] fp32 (the +4 spreads the fragment
-// stores over the banks).
-__host__ __device__ constexpr int red_stride(int row_tiles) { return 16 * row_tiles + 4; }
-__host__ __device__ constexpr size_t red_bytes(int nt, int row_tiles) { return sizeof(float) * 8 * nt * red_stride(row_tiles); }
+using namespace skinny;
 
 // x [M, K], w [N, K], out [M, N] (bf16, or fp32 when F32). Block: W warps (blockDim.x = 32 W);
 // grid.x = ceil(N / (16 R)); dynamic shared memory W * red_bytes(NT, R).
-// Row stride (elements) of x staged in shared memory: 16 bytes of padding spread the rows over
-// the banks.
-__host__ __device__ constexpr int staged_stride(int k) { return k + 8; }
-
-// Builds x [M, K] in shared memory (row stride staged_stride(K)) from the fused input `in`:
-// RMSNorm of in [M, K] with gamma, or silu(gate) * up of in [M, 2K]. All threads of the CTA.
-template <int IN>
-__device__ void stage_input(const __nv_bfloat16* __restrict__ in, const __nv_bfloat16* __restrict__ gamma, float eps,
-                            int M, int K, __nv_bfloat16* xs) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-  const int vecs = K / 8, ks = staged_stride(K);
-  __shared__ float inv_rms[16];
-  if constexpr (IN == static_cast<int>(SkinnyInput::kRmsNorm)) {
-    for (int m = warp; m < M; m += num_warps) {
-      const __nv_bfloat16* row = in + static_cast<int64_t>(m) * K;
-      float ss = 0.0f;
-      for (int i = lane; i < vecs; i += 32) {
-        float v[8];
-        detail::load_bf16<8>(row + i * 8, v);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      if (lane == 0) inv_rms[m] = rsqrtf(ss / static_cast<float>(K) + eps);
-    }
-    __syncthreads();
-  }
-  for (int i = threadIdx.x; i < M * vecs; i += blockDim.x) {
-    const int m = i / vecs, c = (i - m * vecs) * 8;
-    float o[8];
-    if constexpr (IN == static_cast<int>(SkinnyInput::kRmsNorm)) {
-      float v[8], gv[8];
-      detail::load_bf16<8>(in + static_cast<int64_t>(m) * K + c, v);
-      detail::load_bf16<8>(gamma + c, gv);
-      const float inv = inv_rms[m];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) o[e] = gv[e] * (v[e] * inv);
-    } else {
-      float a[8], b[8];
-      const __nv_bfloat16* row = in + static_cast<int64_t>(m) * 2 * K;
-      detail::load_bf16<8>(row + c, a);
-      detail::load_bf16<8>(row + K + c, b);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) o[e] = a[e] / (1.0f + __expf(-a[e])) * b[e];
-    }
-    detail::store_bf16<8>(xs + m * ks + c, o);
-  }
-  __syncthreads();
-}
-
 // IN: SkinnyInput (kPlain: x from global memory; else staged in shared memory from `x`, the
 // fused input, after the reduction buffer); ADD: out (bf16) += the product.
 template <int NT, int R, int U, bool F32, int IN = 0, bool ADD = false>

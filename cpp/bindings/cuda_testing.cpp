@@ -394,6 +394,48 @@ void cuda_skinny_gemm_fused(const Any& inp, const Any& w, const Any& out, const 
                                                       bf16(out, "out"), nullptr));
 }
 
+// The streaming skinny GEMM: mode "plain" (inp [M, K]; out bf16 or fp32), "rms_norm" or "silu_mul"
+// as cuda_skinny_gemm_fused; add: out (bf16) += the product; the launch shape as StreamGemmConfig.
+void cuda_stream_gemm(const Any& inp, const Any& w, const Any& out, const std::string& mode, std::optional<Any> gamma,
+                      float eps, bool add, int warps, int stages, int unroll, int ctas_per_sm, bool batch_invariant,
+                      std::optional<uintptr_t> stream) {
+  DFLASH_ARG_CHECK(inp.ndim() == 2 && w.ndim() == 2 && out.ndim() == 2 && out.shape(0) == inp.shape(0) &&
+                       out.shape(1) == w.shape(0),
+                   "stream_gemm: inp [M, K or 2K], w [N, K], out [M, N]");
+  const bool f32 = out.dtype() == nb::dtype<float>();
+  cuda::SkinnyFusion f;
+  f.add = add;
+  f.eps = eps;
+  int64_t in_cols = w.shape(1);
+  if (mode == "rms_norm") {
+    f.input = cuda::SkinnyInput::kRmsNorm;
+    DFLASH_ARG_CHECK(gamma.has_value() && gamma->ndim() == 1 && gamma->shape(0) == w.shape(1),
+                     "stream_gemm: rms_norm needs gamma [K]");
+    f.gamma = bf16(*gamma, "gamma");
+  } else if (mode == "silu_mul") {
+    f.input = cuda::SkinnyInput::kSiluMul;
+    in_cols = 2 * w.shape(1);
+  } else {
+    DFLASH_ARG_CHECK(mode == "plain", "stream_gemm: mode is rms_norm, silu_mul or plain, not ", mode);
+  }
+  DFLASH_ARG_CHECK(inp.shape(1) == in_cols, "stream_gemm: inp has ", inp.shape(1), " columns, expected ", in_cols);
+  DFLASH_ARG_CHECK(!f32 || (f.input == cuda::SkinnyInput::kPlain && !add), "stream_gemm: fp32 out is plain only");
+  use_device(inp.device_id());
+  cuda::StreamGemmConfig config;
+  config.warps = warps;
+  config.stages = stages;
+  config.unroll = unroll;
+  config.ctas_per_sm = ctas_per_sm;
+  config.batch_invariant = batch_invariant;
+  const __nv_bfloat16* in = bf16(inp, "inp");
+  const __nv_bfloat16* wp = bf16(w, "w");
+  DFLASH_ARG_CHECK(cuda::stream_gemm_supports(in, wp, inp.shape(0), w.shape(1), f, f32, &config),
+                   "stream_gemm: unsupported (M <= 16, K % 8 == 0, 16-byte aligned, shape, shared memory)");
+  const cudaStream_t s = stream ? reinterpret_cast<cudaStream_t>(*stream) : nullptr;
+  run("stream_gemm", stream,
+      cuda::stream_gemm(in, wp, inp.shape(0), w.shape(0), w.shape(1), f, f32, out.data(), s, &config));
+}
+
 // The CUDA backend's cuBLASLt path (one handle and a 32 MiB workspace for the process, kept
 // until exit), as the reference of the skinny GEMM benchmarks.
 void cuda_cublaslt_gemm(const Any& x, const Any& w, const Any& out, std::optional<uintptr_t> stream) {
@@ -505,6 +547,9 @@ void bind_cuda_testing(nb::module_& m) {
         "position"_a, "tokens"_a);
   m.def("cuda_skinny_gemm", &cuda_skinny_gemm, "x"_a, "w"_a, "out"_a, "stream"_a.none() = nb::none(),
         "warps"_a = 0, "row_tiles"_a = 0, "unroll"_a = 0, "batch_invariant"_a = false);
+  m.def("cuda_stream_gemm", &cuda_stream_gemm, "inp"_a, "w"_a, "out"_a, "mode"_a = "plain", "gamma"_a.none() = nb::none(),
+        "eps"_a = 1e-6f, "add"_a = false, "warps"_a = 0, "stages"_a = 0, "unroll"_a = 0, "ctas_per_sm"_a = 0,
+        "batch_invariant"_a = false, "stream"_a.none() = nb::none());
   m.def("cuda_cublaslt_gemm", &cuda_cublaslt_gemm, "x"_a, "w"_a, "out"_a, "stream"_a.none() = nb::none());
   m.def("cuda_skinny_gemm_fused", &cuda_skinny_gemm_fused, "inp"_a, "w"_a, "out"_a, "mode"_a,
         "gamma"_a.none() = nb::none(), "eps"_a = 1e-6f, "add"_a = false, "batch_invariant"_a = false);

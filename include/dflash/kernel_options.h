@@ -11,8 +11,9 @@ namespace dflash {
 
 struct KernelOptions {
   // CUDA linear layers: "auto" (the skinny kernel for small weights, N x K <= 4096 x 4096, where
-  // it measured faster on the H200; cuBLASLt for the rest), "cublaslt" or "skinny" (every layer
-  // the skinny kernel supports).
+  // it measured faster on the H200; cuBLASLt for the rest), "cublaslt", "skinny" (every layer
+  // the skinny kernel supports) or "stream" (every layer of up to 16 rows on the streaming
+  // skinny kernel, persistent CTAs with a cp.async weight ring, where it supports the shape).
   std::string gemm = "auto";
   // CUDA: norms and activations fused into the skinny GEMMs (false: the unfused kernels).
   bool fused_layers = true;

@@ -27,16 +27,22 @@ void check_bf16(const Tensor& t, const char* what) {
 }
 
 // kernels.gemm: "cublaslt" sends every linear layer to cuBLASLt; "skinny" every one the skinny
-// kernel supports (up to kSkinnyGemmRows rows); "auto": the skinny kernel only for
-// small weights (N x K <= 4096 x 4096), where it measured faster than cuBLASLt on the H200
-// (bench/results/gpu_h200_skinny_gemm.json: O projection 10.9 vs 13.2 us); cuBLASLt wins on the
-// larger ones (gate/up, LM head, drafter fc). A fixed rule, not timing, so results are
-// reproducible run to run.
+// kernel supports (up to kSkinnyGemmRows rows); "stream" every one of up to 16 rows that the
+// streaming kernel supports (cuda/stream_gemm.cu, with its fused forms); "auto": the skinny
+// kernel only for small weights (N x K <= 4096 x 4096) up to 16 rows, where it measured faster
+// than cuBLASLt on the H200 (bench/results/gpu_h200_skinny_gemm.json: O projection 10.9 vs
+// 13.2 us), cuBLASLt for the rest. The streaming kernel leads cuBLASLt on QKV, O and down at up
+// to 8 rows in isolation (bench/results/gpu_h200_gemv_stream.json, M = 1: 86.6 / 73.8 / 86.0 %
+// of the copy bandwidth vs 74.6 / 58.7 / 77.1 %) but routing those layers to it (fused forms
+// included) left the Qwen3-8B-geometry AR step at batch 1 unchanged on the H200 (4.962 vs
+// 4.966 ms with cuBLASLt for all), so auto keeps the rule above. A fixed rule, not timing, so
+// results are reproducible run to run.
 CudaBackend::GemmMode gemm_mode_of(const std::string& s) {
-  DFLASH_ARG_CHECK(s == "auto" || s == "cublaslt" || s == "skinny", "kernels.gemm (DFLASH_GEMM) must be auto, cublaslt or skinny, got '",
-                   s, "'");
+  DFLASH_ARG_CHECK(s == "auto" || s == "cublaslt" || s == "skinny" || s == "stream",
+                   "kernels.gemm (DFLASH_GEMM) must be auto, cublaslt, skinny or stream, got '", s, "'");
   return s == "cublaslt" ? CudaBackend::GemmMode::kCublasLt
          : s == "skinny" ? CudaBackend::GemmMode::kSkinny
+         : s == "stream" ? CudaBackend::GemmMode::kStream
                          : CudaBackend::GemmMode::kAuto;
 }
 
@@ -202,6 +208,10 @@ bool CudaBackend::skinny_for(int64_t m, const Tensor& w) const {
   return skinny && m <= kSkinnyGemmRows;
 }
 
+bool CudaBackend::stream_for(int64_t m) const {
+  return !batch_invariant_ && gemm_mode_ == GemmMode::kStream && m <= cuda::kStreamGemmMaxRows;
+}
+
 bool CudaBackend::try_fused(const Tensor& in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion,
                             Tensor& out) {
   const int64_t n = w.dim(0), k = w.dim(1);
@@ -219,6 +229,12 @@ bool CudaBackend::try_fused(const Tensor& in, const Tensor& w, int64_t m, const 
       const int64_t rows = std::min(cuda::kBatchInvariantRows, m - r0);
       DFLASH_CUDA_CHECK(cuda::skinny_gemm_fused(bf(in) + r0 * in_width, bf(w), rows, n, k, f, bf(out) + r0 * n, stream_));
     }
+    return true;
+  }
+  if (fused_layers_ && stream_for(m) && cuda::stream_gemm_supports(in.data, w.data, m, k, fusion, false)) {
+    check_bf16(in, "fused linear input");
+    check_bf16(out, "fused linear output");
+    DFLASH_CUDA_CHECK(cuda::stream_gemm(bf(in), bf(w), m, n, k, fusion, false, out.data, stream_));
     return true;
   }
   if (!fused_layers_ || !skinny_for(m, w) || !cuda::skinny_gemm_fused_supports(in.data, w.data, m, k, fusion)) return false;
@@ -293,8 +309,13 @@ void CudaBackend::linear(const Tensor& x, const Tensor& w, Tensor& out) {
     invariant_linear(x, w, m, out);
     return;
   }
+  const bool f32 = out.dtype == DType::kF32;
+  if (stream_for(m) && x.dtype == DType::kBF16 && cuda::stream_gemm_supports(x.data, w.data, m, k, cuda::SkinnyFusion{}, f32)) {
+    DFLASH_CUDA_CHECK(cuda::stream_gemm(bf(x), bf(w), m, n, k, cuda::SkinnyFusion{}, f32, out.data, stream_));
+    return;
+  }
   if (skinny_for(m, w) && cuda::skinny_gemm_supports(x.data, w.data, m, k)) {
-    DFLASH_CUDA_CHECK(cuda::skinny_gemm(bf(x), bf(w), m, n, k, out.dtype == DType::kF32, out.data, stream_));
+    DFLASH_CUDA_CHECK(cuda::skinny_gemm(bf(x), bf(w), m, n, k, f32, out.data, stream_));
     return;
   }
   gemm_->linear(x.data, w.data, out.data, m, n, k, out.dtype == DType::kF32, stream_);

@@ -25,7 +25,7 @@ class Modules;
 
 class CudaBackend final : public Backend {
  public:
-  enum class GemmMode { kAuto, kCublasLt, kSkinny };
+  enum class GemmMode { kAuto, kCublasLt, kSkinny, kStream };
   // scratch_bytes: the per-step arena (activations, logits, metadata).
   CudaBackend(int device, size_t scratch_bytes, const KernelOptions& kernels = KernelOptions());
   ~CudaBackend() override;
@@ -118,6 +118,10 @@ class CudaBackend final : public Backend {
   Tensor persistent(const std::vector<int64_t>& shape, DType dtype);
   // Whether linear() would run the skinny kernel for m rows of w [N, K].
   bool skinny_for(int64_t m, const Tensor& w) const;
+  // Whether the linear layers of m rows run the streaming skinny kernel (cuda/stream_gemm.cu)
+  // where it supports the shape (GemmMode::kStream, up to 16 rows; the batch-invariant mode
+  // keeps the skinny kernel).
+  bool stream_for(int64_t m) const;
   // The fused skinny kernel when skinny_for() and the kernel supports the shape; false: not run.
   bool try_fused(const Tensor& in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion, Tensor& out);
   // out[m, N] = x[m, K] @ w^T on the batch-invariant skinny shape, kBatchInvariantRows rows a launch.
@@ -152,9 +156,12 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CublasLtGemm> gemm_;
   // linear() runs the skinny GEMM kernel (cuda/skinny_gemm.cu) for x of up to kSkinnyGemmRows
   // rows and (kAuto) weights of at most kSkinnyGemmMaxWeight elements, cuBLASLt otherwise
-  // (DFLASH_GEMM, read at construction: auto, cublaslt, skinny). Where it runs the skinny kernel,
+  // (DFLASH_GEMM, read at construction: auto, cublaslt, skinny, stream). Where it runs the skinny kernel,
   // the fused layer ops run its fused variants (norm / activation staged in the kernel, residual
   // add in its epilogue); elsewhere they compose the unfused ops (cuBLASLt adds in place).
+  // kStream: every linear layer and fused layer op of up to kStreamGemmMaxRows rows that the
+  // streaming kernel supports runs it (cuda/stream_gemm.cu), the rest as kAuto (why auto does
+  // not use it: gemm_mode_of in cuda_backend.cpp).
   static constexpr int64_t kSkinnyGemmRows = 16;
   static constexpr int64_t kSkinnyGemmMaxWeight = int64_t{4096} * 4096;
   GemmMode gemm_mode_ = GemmMode::kAuto;

@@ -1,0 +1,137 @@
+// Device pieces shared by the skinny GEMM kernels (cuda/skinny_gemm.cu, cuda/stream_gemm.cu):
+// the weight and input loads, the bf16 tensor-core mma and its operand words, the shared-memory
+// reduction layout, and the fused input transforms (RMSNorm, silu * up) staged in shared memory.
+#pragma once
+
+#include "cuda/common.cuh"
+#include "cuda/kernels.h"
+
+namespace dflash {
+namespace cuda {
+namespace skinny {
+
+constexpr int kChunk = 32;  // k per warp chunk: 4 lanes x 8 bf16 of one row
+
+// 16 bytes of w: read once, so not cached in L1 (keeps L1 for x).
+__device__ __forceinline__ uint4 load_w(const __nv_bfloat16* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// 16 bytes of x: read by every CTA, cached in L1.
+__device__ __forceinline__ uint4 load_x(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// c[16 x 8] += a[16 x 16] (row) * b[16 x 8] (col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Shared-memory reduction buffer: [W][8 NT][16 R + 4] fp32 (the +4 spreads the fragment
+// stores over the banks).
+__host__ __device__ constexpr int red_stride(int row_tiles) { return 16 * row_tiles + 4; }
+__host__ __device__ constexpr size_t red_bytes(int nt, int row_tiles) { return sizeof(float) * 8 * nt * red_stride(row_tiles); }
+
+// Row stride (elements) of x staged in shared memory: 16 bytes of padding spread the rows over
+// the banks.
+__host__ __device__ constexpr int staged_stride(int k) { return k + 8; }
+
+// Builds x [M, K] in shared memory (row stride staged_stride(K)) from the fused input `in`:
+// RMSNorm of in [M, K] with gamma, or silu(gate) * up of in [M, 2K]. All threads of the CTA.
+// Every thread takes the same 16-byte columns of every row (v = thread, thread + threads, ...)
+// and issues the loads of all rows of a column together, so staging costs a couple of L2 round
+// trips whatever M (one warp per row, as before, waited on 16 loads in a row at K = 4096). RMSNorm:
+// the raw rows are copied first while each thread sums its squares per row; the row sums are
+// reduced over the lanes (butterfly) and then the warps in order (deterministic), and the
+// normalisation runs in place in shared memory.
+template <int IN>
+__device__ void stage_input(const __nv_bfloat16* __restrict__ in, const __nv_bfloat16* __restrict__ gamma, float eps,
+                            int M, int K, __nv_bfloat16* xs) {
+  constexpr int kRows = 16;  // kSkinnyFusedMaxRows, kStreamGemmMaxRows
+  const int tid = threadIdx.x, threads = blockDim.x, lane = tid & 31, warp = tid >> 5, num_warps = threads >> 5;
+  const int vecs = K / 8, ks = staged_stride(K);
+  if constexpr (IN == static_cast<int>(SkinnyInput::kRmsNorm)) {
+    __shared__ float part[kRows][16];  // [row][warp] (at most 16 warps)
+    __shared__ float inv_rms[kRows];
+    float ss[kRows];
+#pragma unroll
+    for (int m = 0; m < kRows; ++m) ss[m] = 0.0f;
+#pragma unroll 2
+    for (int v = tid; v < vecs; v += threads) {
+      uint4 raw[kRows];
+#pragma unroll
+      for (int m = 0; m < kRows; ++m) {
+        if (m < M) raw[m] = *reinterpret_cast<const uint4*>(in + static_cast<int64_t>(m) * K + v * 8);
+      }
+#pragma unroll
+      for (int m = 0; m < kRows; ++m) {
+        if (m < M) {
+          *reinterpret_cast<uint4*>(xs + m * ks + v * 8) = raw[m];
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[m]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = __bfloat1622float2(h[e]);
+            ss[m] += f.x * f.x;
+            ss[m] += f.y * f.y;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kRows; ++m) {
+      if (m < M) {
+        const float sum = detail::warp_sum(ss[m]);
+        if (lane == 0) part[m][warp] = sum;
+      }
+    }
+    __syncthreads();
+    if (tid < M) {
+      float sum = 0.0f;
+      for (int w = 0; w < num_warps; ++w) sum += part[tid][w];
+      inv_rms[tid] = rsqrtf(sum / static_cast<float>(K) + eps);
+    }
+    __syncthreads();
+    for (int v = tid; v < vecs; v += threads) {
+      float gv[8];
+      detail::load_bf16<8>(gamma + v * 8, gv);
+#pragma unroll
+      for (int m = 0; m < kRows; ++m) {
+        if (m < M) {
+          float x[8], o[8];
+          detail::load_bf16<8>(xs + m * ks + v * 8, x);
+          const float inv = inv_rms[m];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) o[e] = gv[e] * (x[e] * inv);
+          detail::store_bf16<8>(xs + m * ks + v * 8, o);
+        }
+      }
+    }
+  } else {
+#pragma unroll 4
+    for (int i = tid; i < M * vecs; i += threads) {
+      const int m = i / vecs, c = (i - m * vecs) * 8;
+      float a[8], b[8], o[8];
+      const __nv_bfloat16* row = in + static_cast<int64_t>(m) * 2 * K;
+      detail::load_bf16<8>(row + c, a);
+      detail::load_bf16<8>(row + K + c, b);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = a[e] / (1.0f + __expf(-a[e])) * b[e];
+      detail::store_bf16<8>(xs + m * ks + c, o);
+    }
+  }
+  __syncthreads();
+}
+
+}  // namespace skinny
+}  // namespace cuda
+}  // namespace dflash
