@@ -123,11 +123,11 @@ def reference_drafter_step(m, draft_dir: Path, ctx: int, *, steps: int, warmup: 
     dr = ref.load_drafter(draft_dir)
     dr.weights = {k: v.to(DEVICE, torch.bfloat16) for k, v in dr.weights.items()}
     emb, head = m.get_input_embeddings().weight, m.get_output_embeddings().weight
-    saved = (ref._embed, ref._lm_head)
+    saved = (ref.target_embed, ref.target_lm_head)
     # The reference converts the whole embedding / LM head to fp32 on every call (correctness over
     # speed); give it bf16 lookups instead so that it is timed as a plain bf16 implementation.
-    ref._embed = lambda _tm, ids: emb[ids].float()
-    ref._lm_head = lambda _tm, h: F.linear(h.to(torch.bfloat16), head).float()
+    ref.target_embed = lambda _tm, ids: emb[ids].float()
+    ref.target_lm_head = lambda _tm, h: F.linear(h.to(torch.bfloat16), head).float()
     width = len(dr.target_layer_ids) * dr.hidden_size
     times = []
     try:
@@ -147,7 +147,7 @@ def reference_drafter_step(m, draft_dir: Path, ctx: int, *, steps: int, warmup: 
                 if i >= warmup:
                     times.append(time.perf_counter() - t)
     finally:
-        ref._embed, ref._lm_head = saved
+        ref.target_embed, ref.target_lm_head = saved
     block_size = dr.block_size
     del dr, cache
     free_cuda_memory()
@@ -155,7 +155,7 @@ def reference_drafter_step(m, draft_dir: Path, ctx: int, *, steps: int, warmup: 
             "step_s": statistics.fmean(times), "step_s_min": min(times),
             "step_ms_all": [round(t * 1e3, 3) for t in times],
             "how": "tests/reference/dflash_reference.py append_context + draft_query on the GPU under "
-                   "torch.autocast(bfloat16), drafter weights bf16; its fp32 _embed/_lm_head helpers "
+                   "torch.autocast(bfloat16), drafter weights bf16; its fp32 target_embed/target_lm_head helpers "
                    "replaced by bf16 lookups; the context K/V grows by 7 rows per step (torch.cat)"}
 
 

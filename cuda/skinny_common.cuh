@@ -42,6 +42,10 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 __host__ __device__ constexpr int red_stride(int row_tiles) { return 16 * row_tiles + 4; }
 __host__ __device__ constexpr size_t red_bytes(int nt, int row_tiles) { return sizeof(float) * 8 * nt * red_stride(row_tiles); }
 
+// Static shared memory of the kernels (stage_input's row sums): a launch whose dynamic shared
+// memory plus this passes the 48 KB default must raise the kernel's dynamic limit first.
+constexpr size_t kStaticSmemMargin = 2048;
+
 // Row stride (elements) of x staged in shared memory: 16 bytes of padding spread the rows over
 // the banks.
 __host__ __device__ constexpr int staged_stride(int k) { return k + 8; }

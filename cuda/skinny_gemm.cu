@@ -269,7 +269,7 @@ cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, i
   if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   const int warps = blocks <= sms ? 16 : 8;
   const size_t smem = fused_smem_bytes(warps, nt, m, k, f.input);
-  if (smem > 48 * 1024) {
+  if (smem + kStaticSmemMargin > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem));
     if (e != cudaSuccess) return e;
@@ -312,7 +312,7 @@ cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t 
     warps = blocks <= sms ? 16 : 8;
   }
   const size_t smem = warps * red_bytes(nt, row_tiles);
-  if (smem > 48 * 1024) {  // only the largest tuning shapes (16 warps, M > 16, 2 row tiles)
+  if (smem + kStaticSmemMargin > 48 * 1024) {  // only the largest tuning shapes (16 warps, M > 16, 2 row tiles)
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem));
     if (e != cudaSuccess) return e;

@@ -335,7 +335,7 @@ cudaError_t stream_gemm(const __nv_bfloat16* in, const __nv_bfloat16* w, int64_t
   StreamShape s;
   if (!shape_of(m, k, f, out_f32, config, s)) return cudaErrorInvalidValue;
   StreamFn kernel = pick_kernel(s.nt, s.unroll, s.stages, f.input, f.add, out_f32);
-  if (s.smem > 48 * 1024) {
+  if (s.smem + kStaticSmemMargin > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(s.smem));
     if (e != cudaSuccess) return e;
