@@ -45,7 +45,7 @@ from gpu_common import (  # noqa: E402
 SHIPPED_DRAFTER = REPO_ROOT / "python" / "dflash" / "drafters" / "SmolLM2-135M-Instruct"
 
 FAMILIES = [  # (family, substrings of the kernel name), first match wins
-    ("attention", ("paged_attention",)),
+    ("attention", ("paged_attention", "decode_attention")),
     ("gemm_skinny", ("skinny",)),
     ("gemm_cublas", ("gemm", "nvjet", "cutlass", "sm90", "xmma", "splitK", "Kernel2")),
     ("norm", ("rms_norm",)),
