@@ -26,7 +26,8 @@ buffer, cooperative or PDL launches, clusters or tensor descriptors, so the laun
 both hidden pointers. Other triton versions are refused: the convention has changed before.
 
 Output is deterministic: line info is off unless --line-info (it embeds source paths), fp
-fusion is on explicitly (TRITON_DEFAULT_FP_FUSION=1), and files are written in manifest order.
+fusion is set per kernel from the manifest (on unless an entry says fp_fusion=False; the default
+is pinned with TRITON_DEFAULT_FP_FUSION=1), and files are written in manifest order.
 """
 from __future__ import annotations
 
@@ -155,7 +156,8 @@ def compile_one(kernel) -> dict:
     target = GPUTarget("cuda", 90, 32)
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({"num_warps": kernel.num_warps,
-                                     "num_stages": kernel.num_stages})
+                                     "num_stages": kernel.num_stages,
+                                     "enable_fp_fusion": kernel.fp_fusion})
     src = ASTSource(fn=fn, signature=signature, constexprs=dict(kernel.constexprs), attrs=attrs)
     try:
         compiled = triton.compile(src, target=target, options=options.__dict__)
@@ -253,7 +255,8 @@ def _wrap(text: str, indent: str, width: int = 100) -> str:
 def _describe(kernel, result) -> str:
     consts = ", ".join(f"{k}={v}" for k, v in kernel.constexprs.items())
     text = (f"{kernel.source}:{kernel.fn} with {consts}; num_warps={kernel.num_warps}, "
-            f"num_stages={kernel.num_stages}, {result['shared']} bytes of shared memory. "
+            f"num_stages={kernel.num_stages}, fp fusion {'on' if kernel.fp_fusion else 'off'}, "
+            f"{result['shared']} bytes of shared memory. "
             f"{kernel.doc}.")
     return "".join(f"// {line}\n" for line in textwrap.wrap(text, width=97))
 

@@ -31,6 +31,9 @@ class KernelSpec:
     num_stages: int = 3
     aligned: tuple[str, ...] = ()  # parameters with tt.divisibility = 16
     doc: str = ""
+    # Contract a multiply and an add into one FMA where the compiler can (Triton's default).
+    # Off where a kernel's bits must not depend on which of its code paths handled a value.
+    fp_fusion: bool = True
 
 
 _PREFILL_PARAMS = (
@@ -71,6 +74,13 @@ def _prefill(head_dim: int, block_m: int, block_n: int, num_warps: int,
         aligned=_ATTN_ALIGNED,
         doc="any number of queries per sequence; "
             "grid (T / (BLOCK_M / group) + num_seqs, num_kv_heads)",
+        # Batch invariance (deterministic=True runs every row through this kernel): whether a
+        # key tile takes the masked or the unmasked loop depends on the tile's FIRST query, so
+        # on the other rows of the launch. With fusion the unmasked loop computes
+        # exp2(fma(scale, qk, -m)) and the masked one exp2(round(scale * qk) - m) (the mask's
+        # select sits between the multiply and the subtraction): a row's scores then change
+        # with the rows beside it. Without fusion both loops round the same way.
+        fp_fusion=False,
     )
 
 

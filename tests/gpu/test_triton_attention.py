@@ -216,6 +216,34 @@ def test_long_context_split_kv(nh, nkv, hd, batch, kind, mode):
     assert_matches(out, ref, "no split")
 
 
+@pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("nq", [8, 80])
+def test_prefill_rows_do_not_depend_on_the_other_queries(nh, nkv, hd, nq):
+    """The prefill variant is the batch-invariant attention (deterministic=True): a query's output
+    bits must be the same whether it is the only query of its sequence or one row of a verify
+    block / prefill whose first query sits in an earlier key tile (that changes which loop, masked
+    or not, handles the row's keys). Positions 250..329 cross the 256- and 320-key tile edges."""
+    import torch
+
+    kv_len = 330
+    b = Batch([kv_len], [nq], nh, nkv, hd, seed=nq)
+    full, (variant, _, _) = b.run(True, 0, force_variant=1)
+    assert variant == "prefill"
+    testing = _testing()
+    for i in range(nq):
+        q = b.q_dev[i:i + 1].contiguous()
+        out = torch.full_like(q, float("nan"))
+        n = kv_len - nq + i + 1  # this query alone: its sequence ends at its own position
+        testing.triton_paged_attention(
+            q, b.k_pool, b.v_pool, out, torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+            torch.tensor([n], dtype=torch.int32, device="cuda"), b.table, True, 0, 1, n,
+            force_variant=1, stream=torch.cuda.current_stream().cuda_stream)
+        alone = out.float().cpu()
+        assert torch.equal(alone[0], full[i]), (
+            f"query at position {n - 1}: alone differs from row {i} of {nq} "
+            f"(max abs {(alone[0] - full[i]).abs().max().item():.3g})")
+
+
 @pytest.mark.parametrize("block_size", [8, 32, 64])
 def test_other_block_sizes(block_size):
     kv_lens = [1, 40, 300, 129]
