@@ -176,21 +176,29 @@ def _drafter(tmp_path, target):
                                 block_size=8)
 
 
-def test_speculative_greedy_equals_target_only_greedy(invariant_model, tmp_path):
-    rng = np.random.default_rng(1)
-    prompts = [[int(t) for t in rng.integers(3, 5000, size=m)] for m in (7, 33, 64, 12, 90, 3)]
-    greedy = dflash.SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    target_only = _session(invariant_model, draft="none")
+@pytest.mark.parametrize("which,lengths,max_tokens", [
+    ("hd128", (7, 33, 64, 12, 90, 3), 48),
+    # 160 tokens from prompts of 50..200: verify blocks of 8 rows straddle the 64-key tiles.
+    ("hd64", (50, 121, 200, 77), 160),
+])
+def test_speculative_greedy_equals_target_only_greedy(which, lengths, max_tokens, invariant_model,
+                                                       invariant_model_hd64, tmp_path):
+    model = invariant_model_hd64 if which == "hd64" else invariant_model
+    rng = np.random.default_rng(1 if which == "hd128" else 3)
+    prompts = [[int(t) for t in rng.integers(3, 5000, size=m)] for m in lengths]
+    greedy = dflash.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    target_only = _session(model, draft="none")
     want_batched = [o.token_ids for o in target_only.generate(prompts, greedy)]
     want_alone = [target_only.generate([p], greedy)[0].token_ids for p in prompts[:3]]
     assert target_only.stats()["graph_steps"] > 0
     target_only.close()
-    spec = _session(invariant_model, draft=str(_drafter(tmp_path, invariant_model)), draft_sampling="greedy")
+    spec = _session(model, draft=str(_drafter(tmp_path, model)), draft_sampling="greedy")
     # Oracle drafts (the target's own greedy tokens) make every verify row count; the random
     # drafter's own drafts are rejected at various positions.
     from tests.runtime_helpers import oracle_run
 
-    oracle = [list(r.token_ids) for r in oracle_run(spec, prompts, want_batched, max_tokens=48, ignore_eos=True)]
+    oracle = [list(r.token_ids) for r in oracle_run(spec, prompts, want_batched, max_tokens=max_tokens,
+                                                     ignore_eos=True)]
     got_batched = [o.token_ids for o in spec.generate(prompts, greedy)]
     got_alone = [spec.generate([p], greedy)[0].token_ids for p in prompts[:3]]
     stats = spec.stats()
@@ -199,7 +207,7 @@ def test_speculative_greedy_equals_target_only_greedy(invariant_model, tmp_path)
     assert want_alone == want_batched[:3]
     assert got_batched == want_batched
     assert got_alone == want_alone
-    assert oracle == [list(w) for w in want_batched]
+    assert oracle == [list(w) for w in want_batched], "verify rows (oracle drafts) differ from target-only decode"
 
 
 @pytest.mark.parametrize("which", ["hd64", "hd128"])
@@ -224,26 +232,3 @@ def test_positions_past_many_key_tiles_keep_their_bits(which, invariant_model, i
     chunked.close()
     differ = np.flatnonzero((rows[:n] != alone).any(axis=1))
     assert differ.size == 0, f"{which}: chunked-prefill rows differ at positions {differ[:10].tolist()}"
-
-
-def test_long_speculative_greedy_equals_target_only_greedy_hd64(invariant_model_hd64, tmp_path):
-    """Greedy speculation over 160 tokens from prompts of 50..200 tokens (verify blocks of 8 rows
-    that straddle the 64-key tiles, alone and batched) gives the target-only greedy tokens."""
-    rng = np.random.default_rng(3)
-    prompts = [[int(t) for t in rng.integers(3, 5000, size=m)] for m in (50, 121, 200, 77)]
-    greedy = dflash.SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
-    target_only = _session(invariant_model_hd64, draft="none")
-    want = [o.token_ids for o in target_only.generate(prompts, greedy)]
-    target_only.close()
-    spec = _session(invariant_model_hd64, draft=str(_drafter(tmp_path, invariant_model_hd64)), draft_sampling="greedy")
-    from tests.runtime_helpers import oracle_run
-
-    oracle = [list(r.token_ids) for r in oracle_run(spec, prompts, want, max_tokens=160, ignore_eos=True)]
-    got = [o.token_ids for o in spec.generate(prompts, greedy)]
-    got_alone = [spec.generate([p], greedy)[0].token_ids for p in prompts[:2]]
-    stats = spec.stats()
-    spec.close()
-    assert stats["num_spec_steps"] > 0 and stats["graph_steps"] > 0
-    assert oracle == [list(w) for w in want], "verify rows (oracle drafts) differ from target-only decode"
-    assert got == want
-    assert got_alone == want[:2]
