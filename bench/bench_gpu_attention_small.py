@@ -4,14 +4,18 @@ GPU: Qwen3-8B geometry (32 query / 8 KV heads, head_dim 128, block 16), batch 1/
 length 1 (AR) and 16 (verify), context 512/4096, side by side in one run:
   triton  the AOT Triton kernels (decode + split reduce), the plan's own split count (splits 0)
           and forced ones;
-  cuda    the CUDA decode kernel (cuda/decode_attention.cu; one launch, the last CTA combines the
-          splits), query length 1 only (it takes <= 16 rows per KV head), its own split count and
-          one split.
+  cuda    the CUDA decode attention as the backend routes it (one launch, the last CTA combines
+          the splits): up to 16 rows per KV head (query length 1) on CUDA cores
+          (cuda/decode_attention.cu), 17..64 rows (query length 16) on tensor cores
+          (cuda/decode_attention_mma.cu); its own split count and one split;
+  cuda_tc the tensor-core kernel forced at query length 1 too (tensor_cores=True).
 The automatic split counts are taken with max_kv_len as a captured graph sees it (max_model_len
 4096 + 16) and exact.
-Kernel durations come from CUPTI (torch.profiler), so launch latency is excluded: mean
-microseconds per call summed over the call's kernels (launches per call given: in a CUDA graph
-each costs about a microsecond more), and K/V bytes read / time.
+Two timings per case: CUPTI kernel durations (torch.profiler; launch latency excluded, and with
+programmatic dependent launch a kernel's duration includes its wait for the one before):
+microseconds per call summed over the call's kernels, launches per call and K/V bytes read / time;
+and `graph_us_per_call`, the wall time of one call in a CUDA graph of 20 back-to-back calls
+(device events over replays, median of 5): what a step pays.
 
 Usage (GPU machine, dflash installed): python bench/bench_gpu_attention_small.py --out DIR
 Writes DIR/gpu_h200_attention_small.json.
@@ -29,6 +33,29 @@ from gpu_common import cuda_kernel_totals, run_record, write_json  # noqa: E402
 NH, NKV, HD, BS = 32, 8, 128, 16
 
 
+def graph_us_per_call(torch, call_on, calls=20, replays=5):
+    """Median wall microseconds of one call inside a CUDA graph of `calls` back-to-back calls."""
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        call_on(stream.cuda_stream)  # warm-up on the capture stream
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            call_on(stream.cuda_stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps):
     blocks_per_seq = (ctx + BS - 1) // BS
     nblocks = batch * blocks_per_seq
@@ -43,17 +70,21 @@ def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps):
     # the CUDA backend's workspace size, or what a forced split count needs
     need = testing.triton_paged_attention_workspace_bytes(t, NH, HD, max(splits, 1))
     ws = torch.empty(max(64 << 20, need), device="cuda", dtype=torch.uint8)
-    stream = torch.cuda.current_stream().cuda_stream
     if impl == "triton":
-        def call():
+        def call_on(stream):
             return testing.triton_paged_attention(q, kp, vp, o, qs, kl, bt, True, 0, qlen, max_kv_len, ws, 2, splits,
                                                   stream)[1]
     else:
         counters = torch.zeros(batch * NKV, device="cuda", dtype=torch.int32)
 
-        def call():
+        def call_on(stream):
             return testing.cuda_decode_attention(q, kp, vp, o, qs, kl, bt, True, 0, qlen, max_kv_len, workspace=ws,
-                                                 counters=counters, force_splits=splits, stream=stream)
+                                                 counters=counters, force_splits=splits, stream=stream,
+                                                 tensor_cores=impl == "cuda_tc")
+
+    def call():
+        return call_on(torch.cuda.current_stream().cuda_stream)
+
     launched_splits = call()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CUDA]
@@ -69,7 +100,8 @@ def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps):
             "max_kv_len": max_kv_len, "splits": launched_splits, "us_per_call": round(total, 2),
             "launches_per_call": sum(n for _, n in totals.values()) / reps,
             "kernels_us": {k[:60]: round(v, 2) for k, v in per.items()},
-            "kv_gbs": round(kv_bytes / (total * 1e-6) / 1e9, 1) if total else None}
+            "kv_gbs": round(kv_bytes / (total * 1e-6) / 1e9, 1) if total else None,
+            "graph_us_per_call": round(graph_us_per_call(torch, call_on), 2)}
 
 
 def main():
@@ -87,15 +119,15 @@ def main():
     for batch in (1, 4, 16, 64):
         for qlen in (1, 16):
             for ctx in (512, 4096):
-                for impl in ("triton", "cuda") if qlen == 1 else ("triton",):
-                    forced = (1, 8) if impl == "cuda" else (1, 4, 8, 16)
+                for impl in ("triton", "cuda", "cuda_tc") if qlen == 1 else ("triton", "cuda"):
+                    forced = (1,) if impl != "triton" else (1, 8)
                     for splits in (0,) + forced:  # 0: the implementation's own choice from max_kv_len
                         for max_kv in ((ctx, 4096 + 16) if splits == 0 else (ctx,)):
                             r = case(testing, torch, impl, batch, qlen, ctx, splits, max_kv, args.reps)
                             res["cases"].append(r)
                             print(f"{impl} b={batch} q={qlen} ctx={ctx} splits={splits}->{r['splits']} "
                                   f"max_kv={max_kv}: {r['us_per_call']} us, {r['launches_per_call']} launches "
-                                  f"({r['kv_gbs']} GB/s)", flush=True)
+                                  f"({r['kv_gbs']} GB/s), graph {r['graph_us_per_call']} us", flush=True)
                 write_json(out, res)
     write_json(out, res)
     print(f"wrote {out}")

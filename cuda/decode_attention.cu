@@ -1,5 +1,8 @@
 // Paged decode attention for few query rows per (sequence, KV head): the AR decode step (one
-// query per sequence, a GQA group of rows) and other launches with max_query_len * group <= 16.
+// query per sequence, a GQA group of rows) and other launches with max_query_len * group <= 16
+// run on CUDA cores here; launches of 17..64 rows (the verify step, the drafter's block) go to the
+// tensor-core kernel of decode_attention_mma.cu (decode_attention() picks; one set of arguments,
+// split rule and workspace for both, decode_attention_common.cuh).
 // Same inputs and masks as the Triton kernels (triton_kernels/paged_attention.py): q [T, nh, hd],
 // pools [num_blocks, block_size, nkv, hd], ragged query_start / kv_len / block_table, causal,
 // non-causal, sliding-window or symmetric-window masks; bf16 in, fp32 softmax and accumulation,
@@ -28,6 +31,7 @@
 #include <cmath>
 
 #include "cuda/common.cuh"
+#include "cuda/decode_attention_common.cuh"
 #include "cuda/kernels.h"
 
 namespace dflash {
@@ -35,11 +39,11 @@ namespace cuda {
 
 namespace {
 
+using namespace decode_attention_detail;
+
 constexpr int kThreads = 128;        // 4 warps
 constexpr int kPassKeys = 64;        // keys per pass: 2 threads per key in QK, 16 per warp in PV
-constexpr int kMinSplitKeys = 64;    // a split covers at least one pass
-constexpr int kMaxSplits = 32;
-constexpr int kCtasPerSm = 2;        // split until about two CTAs per SM
+constexpr int kCudaCoreMaxRows = 16;  // rows per (sequence, KV head) of this kernel; above: tensor cores
 
 // The per-lane V piece of one key: hd / 32 bf16 (HD 128: 8 bytes, HD 64: 4 bytes).
 template <int HD>
@@ -60,22 +64,6 @@ struct VPiece<64> {
     const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
     f[0] = a.x, f[1] = a.y;
   }
-};
-
-struct Params {
-  const __nv_bfloat16* q;
-  const __nv_bfloat16* k_pool;
-  const __nv_bfloat16* v_pool;
-  __nv_bfloat16* out;
-  const int32_t* query_start;
-  const int32_t* kv_len;
-  const int32_t* block_table;
-  float* workspace;   // acc [splits, T, nh, hd] then ml [splits, T, nh, 2]
-  int32_t* counters;  // [num_seqs, nkv], zero between launches
-  int num_tokens, num_heads, num_kv_heads, block_size, max_blocks_per_seq, window;
-  bool causal;
-  bool symmetric;  // window > 0, not causal: |q_pos - j| < window
-  float qk_scale;  // scale * log2(e)
 };
 
 // The loads of one pass for this thread: K (its key, its half of hd) and V (its warp's 16 keys,
@@ -121,7 +109,7 @@ __device__ __forceinline__ void load_pass(const Params& p, const int32_t* table,
   }
 }
 
-// RB: row capacity (a multiple of 4, <= 16); the launch's rows = max_query_len * group <= RB.
+// RB: row capacity (a multiple of 4, <= kCudaCoreMaxRows); the launch's rows = max_query_len * group <= RB.
 template <int HD, int RB>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   constexpr int DL = HD / 32;           // head dims per lane in PV
@@ -130,7 +118,6 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   __shared__ float s_s[RB][kPassKeys + 1];
   __shared__ float m_s[RB], l_s[RB], alpha_s[RB];
   __shared__ __align__(16) float red_s[4][RB][HD];
-  __shared__ int last_s;
   static_assert((2 * kMaxSplits + 1) * RB <= 4 * RB * HD, "the combine's weights fit in red_s");
 
   detail::pdl_begin();
@@ -143,17 +130,9 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   const int rows = min(num_q * group, RB);
   const int kv_len = max(p.kv_len[seq], 0);
 
-  // Keys the rows need: [lo, kv_len) (the last query sits at kv_len - 1; a window, causal or
-  // symmetric, drops the keys before the first query's window).
-  int lo = 0;
-  if (p.window > 0) lo = max(kv_len - num_q - p.window + 1, 0);
-  lo = min(lo, kv_len);
-  const int span = kv_len - lo;
-  int chunk = (span + num_splits - 1) / num_splits;
-  chunk = max((chunk + 15) / 16 * 16, kMinSplitKeys);
-  const int active = span > 0 ? (span + chunk - 1) / chunk : 1;
-  if (split >= active) return;
-  const int c0 = lo + split * chunk, c1 = min(c0 + chunk, kv_len);
+  const SplitKeys keys = split_keys(p, kv_len, num_q, split, num_splits, 16);
+  if (split >= keys.active) return;
+  const int c0 = keys.c0, c1 = keys.c1, active = keys.active;
 
   for (int i = tid; i < RB * HD; i += kThreads) {
     const int r = i / HD, d = i % HD;
@@ -210,11 +189,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
     for (int r = 0; r < RB; ++r) {
       const float s = part[r] + __shfl_xor_sync(0xffffffffu, part[r], 1);
       if ((r & 1) == half) {  // the pair writes alternate rows
-        const int q_pos = kv_len - num_q + r / group;
-        bool visible = r < rows && j < c1;
-        if (p.causal) visible = visible && j <= q_pos;
-        if (p.window > 0) visible = visible && j > q_pos - p.window;
-        if (p.symmetric) visible = visible && j < q_pos + p.window;
+        const bool visible = r < rows && j < c1 && key_visible(p, j, kv_len - num_q + r / group);
         s_s[r][kk] = visible ? s : -INFINITY;
       }
     }
@@ -285,73 +260,13 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
     for (int d = 0; d < DL; ++d) red_s[warp][r][lane * DL + d] = acc[r][d];
   __syncthreads();
 
-  float* ws_acc = p.workspace;
-  float* ws_ml = p.workspace + static_cast<int64_t>(num_splits) * p.num_tokens * p.num_heads * HD;
   for (int i = tid; i < rows * HD; i += kThreads) {
     const int r = i / HD, d = i % HD;
     const float a = red_s[0][r][d] + red_s[1][r][d] + red_s[2][r][d] + red_s[3][r][d];
-    const int tok = q_begin + r / group, head = kv_head * group + r % group;
-    if (active == 1) {
-      const float l = l_s[r];
-      p.out[(static_cast<int64_t>(tok) * p.num_heads + head) * HD + d] = __float2bfloat16_rn(a / (l == 0.0f ? 1.0f : l));
-    } else {
-      const int64_t part = (static_cast<int64_t>(split) * p.num_tokens + tok) * p.num_heads + head;
-      ws_acc[part * HD + d] = a;
-      if (d == 0) {
-        ws_ml[part * 2] = m_s[r];
-        ws_ml[part * 2 + 1] = l_s[r];
-      }
-    }
+    write_row_element<HD>(p, row_base(p, q_begin, kv_head, group, r), d, a, m_s[r], l_s[r], split, num_splits,
+                          active);
   }
-  if (active == 1) return;
-
-  // The last split of this (sequence, KV head) to finish combines the partials: first every
-  // split's (m, l) per row, loaded by one thread each, into weights; then each element sums the
-  // splits' accumulators in split order, loads issued in groups (not one latency per split).
-  __threadfence();
-  __syncthreads();
-  int32_t* counter = p.counters + static_cast<int64_t>(seq) * p.num_kv_heads + kv_head;
-  if (tid == 0) last_s = atomicAdd(counter, 1) == active - 1;
-  __syncthreads();
-  if (!last_s) return;
-  __threadfence();
-  // In red_s (free now): [kMaxSplits][RB] m, then weights; [kMaxSplits][RB] l; [RB] 1 / denominators.
-  float* w_s = &red_s[0][0][0];
-  float* lsum_s = w_s + kMaxSplits * RB;
-  float* inv_den_s = lsum_s + kMaxSplits * RB;
-  const int64_t stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
-  auto base_of = [&](int r) {
-    return static_cast<int64_t>(q_begin + r / group) * p.num_heads + kv_head * group + r % group;
-  };
-  __syncthreads();  // every thread is done reading red_s
-  for (int i = tid; i < active * rows; i += kThreads) {
-    const int s = i / rows, r = i % rows;
-    w_s[s * RB + r] = __ldcg(ws_ml + (s * stride + base_of(r)) * 2);
-    lsum_s[s * RB + r] = __ldcg(ws_ml + (s * stride + base_of(r)) * 2 + 1);
-  }
-  __syncthreads();
-  if (tid < rows) {
-    float m_max = -INFINITY;
-    for (int s = 0; s < active; ++s) m_max = fmaxf(m_max, w_s[s * RB + tid]);
-    const float m_ref = m_max == -INFINITY ? 0.0f : m_max;
-    float den = 0.0f;
-    for (int s = 0; s < active; ++s) {
-      const float w = exp2f(w_s[s * RB + tid] - m_ref);
-      w_s[s * RB + tid] = w;
-      den += w * lsum_s[s * RB + tid];
-    }
-    inv_den_s[tid] = 1.0f / (den == 0.0f ? 1.0f : den);
-  }
-  __syncthreads();
-  for (int i = tid; i < rows * HD; i += kThreads) {
-    const int r = i / HD, d = i % HD;
-    const int64_t base = base_of(r);
-    float num = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < active; ++s) num += w_s[s * RB + r] * __ldcg(ws_acc + (s * stride + base) * HD + d);
-    p.out[base * HD + d] = __float2bfloat16_rn(num * inv_den_s[r]);
-  }
-  if (tid == 0) *counter = 0;  // ready for the next launch (stream-ordered)
+  if (active > 1) combine_splits<HD>(p, seq, kv_head, q_begin, group, rows, RB, num_splits, active, &red_s[0][0][0]);
 }
 
 using KernelFn = void (*)(Params);
@@ -428,31 +343,12 @@ cudaError_t decode_attention(const PagedAttentionArgs& a, cudaStream_t stream) {
                          a.workspace_bytes)) {
     return cudaErrorInvalidValue;
   }
-  Params p;
-  p.q = static_cast<const __nv_bfloat16*>(a.q);
-  p.k_pool = static_cast<const __nv_bfloat16*>(a.k_pool);
-  p.v_pool = static_cast<const __nv_bfloat16*>(a.v_pool);
-  p.out = static_cast<__nv_bfloat16*>(a.out);
-  p.query_start = a.query_start;
-  p.kv_len = a.kv_len;
-  p.block_table = a.block_table;
-  p.workspace = static_cast<float*>(a.workspace);
-  p.counters = a.counters;
-  p.num_tokens = a.num_tokens;
-  p.num_heads = a.num_heads;
-  p.num_kv_heads = a.num_kv_heads;
-  p.block_size = a.block_size;
-  p.max_blocks_per_seq = a.max_blocks_per_seq;
-  p.window = a.window;
-  // A symmetric window replaces causality (the CPU backend's rule); any other window is causal.
-  p.symmetric = a.symmetric_window && a.window > 0;
-  p.causal = !p.symmetric && (a.causal || a.window > 0);
-  const float scale = a.scale > 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(a.head_dim));
-  p.qk_scale = scale * 1.4426950408889634f;
+  const Params p = make_params(a);
   const int rows = a.max_query_len * (a.num_heads / a.num_kv_heads);
-  KernelFn kernel = a.head_dim == 128 ? pick_rows<128>(rows) : pick_rows<64>(rows);
   const dim3 grid(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(a.num_kv_heads),
                   static_cast<unsigned>(splits));
+  if (rows > kCudaCoreMaxRows || a.force_tensor_cores) return decode_attention_mma(p, a.head_dim, rows, grid, stream);
+  KernelFn kernel = a.head_dim == 128 ? pick_rows<128>(rows) : pick_rows<64>(rows);
   const cudaError_t e = detail::launch(kernel, grid, dim3(kThreads), 0, stream, p);
   return e != cudaSuccess ? e : cudaGetLastError();
 }

@@ -247,12 +247,14 @@ cudaError_t accept_candidates(const int32_t* drafts, const int32_t* cand_ids, co
 cudaError_t sample_drafts(const float* logits, int64_t rows, int64_t n, int64_t vocab, const SampleRow* params,
                           int32_t* drafts, cudaStream_t stream);
 
-// Paged decode attention (decode_attention.cu) for launches with max_query_len * group <= 16
-// rows per (sequence, KV head), head_dim 64 or 128: the PagedAttentionArgs of the Triton paged
-// attention (cuda/paged_attention_args.h; counters for split-KV), split-KV with the combine done by the
-// last CTA of each (sequence, KV head), so one launch. The split count depends only on the
+// Paged decode attention for launches with max_query_len * group <= 64 rows per (sequence, KV
+// head), head_dim 64 or 128: up to 16 rows on CUDA cores (decode_attention.cu: the AR step), 17..64
+// on tensor cores (decode_attention_mma.cu: the verify step, the drafter's block; every row count
+// with PagedAttentionArgs::force_tensor_cores). The PagedAttentionArgs of the Triton paged
+// attention (cuda/paged_attention_args.h; counters for split-KV), split-KV with the combine done by
+// the last CTA of each (sequence, KV head), so one launch. The split count depends only on the
 // host-side fields (CUDA-graph safe).
-constexpr int64_t kDecodeAttentionMaxRows = 16;
+constexpr int64_t kDecodeAttentionMaxRows = 64;
 // nullptr when supported, else why not.
 const char* decode_attention_check(const PagedAttentionArgs& args);
 int decode_attention_max_splits();

@@ -55,6 +55,9 @@ struct PagedAttentionArgs {
   // Testing and tuning: force a Triton variant, or a split count (0 = choose).
   PagedAttentionVariant force_variant = PagedAttentionVariant::kAuto;
   int32_t force_splits = 0;
+  // Testing and tuning: the CUDA decode kernel's tensor-core variant for every row count, not only
+  // above 16 rows per (sequence, KV head) (the Triton kernels ignore it).
+  bool force_tensor_cores = false;
 };
 
 }  // namespace dflash

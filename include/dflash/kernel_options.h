@@ -17,8 +17,10 @@ struct KernelOptions {
   std::string gemm = "auto";
   // CUDA: norms and activations fused into the skinny GEMMs (false: the unfused kernels).
   bool fused_layers = true;
-  // CUDA decode attention: "auto" (the CUDA split-KV kernel where it fits, else Triton) or
-  // "triton" (always the AOT Triton kernel).
+  // CUDA decode attention: "auto" (the CUDA split-KV kernels where they fit: CUDA cores for the
+  // AR step's few rows, tensor cores for the verify step's and the drafter's 17..64 rows per KV
+  // head; else Triton), "triton" (always the AOT Triton kernels) or "tensor_cores" (the
+  // tensor-core kernel for every launch of up to 64 rows per KV head, the AR step's included).
   std::string attention = "auto";
   // CUDA: programmatic dependent launch. Process-wide: the last CUDA session opened sets it.
   bool programmatic_launch = true;

@@ -8,8 +8,10 @@
 #   residual add instead of two), so logits are compared within the bf16 noise of these tiny
 #   models (|delta| <= 0.05 at |logit| ~ 1), and greedy tokens are only printed.
 # - DFLASH_ATTENTION=triton runs every attention launch on the Triton kernels instead of the
-#   CUDA decode kernel for few-row launches (AR decode steps). Another summation order, so the
-#   same tolerance as DFLASH_FUSED.
+#   CUDA decode kernels for few-row launches (AR decode steps on CUDA cores, verify and drafter
+#   blocks on tensor cores). Another summation order, so the same tolerance as DFLASH_FUSED.
+# - DFLASH_ATTENTION=tensor_cores runs every launch of up to 64 rows per KV head on the
+#   tensor-core kernel (AR steps too): compared with Triton the same way.
 # AR and DFlash decoding, graphs on, a few prompts. Skipped without a usable Hopper GPU.
 from __future__ import annotations
 
@@ -105,3 +107,11 @@ def test_fused_layers_match_unfused(name, spec, tiny_model_dirs, tmp_path):
 def test_cuda_decode_attention_matches_triton(name, spec, tiny_model_dirs, tmp_path):
     ours, triton = _pair(tiny_model_dirs, tmp_path, name, spec, DFLASH_ATTENTION="triton")
     _assert_close_runs(name, spec, ours, triton)
+
+
+@CASES
+def test_tensor_core_attention_matches_triton(name, spec, tiny_model_dirs, tmp_path):
+    target = tiny_model_dirs[name]
+    draft = _drafter(tmp_path, target) if spec else None
+    tensor_cores = _run(target, draft, DFLASH_ATTENTION="tensor_cores")
+    _assert_close_runs(name, spec, tensor_cores, _run(target, draft, DFLASH_ATTENTION="triton"))

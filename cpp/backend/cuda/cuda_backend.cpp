@@ -53,9 +53,11 @@ CudaBackend::CudaBackend(int device, size_t scratch_bytes, const KernelOptions& 
   gemm_mode_ = gemm_mode_of(kernels.gemm);  // first: it may throw, before anything is allocated
   fused_layers_ = kernels.fused_layers;     // false: unfused layer ops, for A/B timing
   batch_invariant_ = kernels.batch_invariant;
-  DFLASH_ARG_CHECK(kernels.attention == "auto" || kernels.attention == "triton",
-                   "kernels.attention (DFLASH_ATTENTION) must be auto or triton, got '", kernels.attention, "'");
+  DFLASH_ARG_CHECK(kernels.attention == "auto" || kernels.attention == "triton" || kernels.attention == "tensor_cores",
+                   "kernels.attention (DFLASH_ATTENTION) must be auto, triton or tensor_cores, got '",
+                   kernels.attention, "'");
   cuda_decode_attention_ = kernels.attention != "triton";
+  attention_tensor_cores_ = kernels.attention == "tensor_cores";
   cuda_driver::set_pdl_enabled(kernels.programmatic_launch);
   cublaslt_path_ = kernels.cublaslt_path;
   int count = 0;
@@ -393,9 +395,14 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
     // One kernel for every query count (a row's keys in the same BLOCK_N tiles from key 0, no
     // split-KV): decode, verify and prefill rows of a position get the same bits.
     a.force_variant = PagedAttentionVariant::kPrefill;
-  } else if (cuda_decode_attention_ && int64_t{meta.num_seqs} * pool.num_kv_heads <= kCudaDecodeMaxPairs) {
-    // few rows per (sequence, KV head), few pairs: the CUDA decode kernel
-    if (cuda::decode_attention_check(a) == nullptr) {
+  } else if (cuda_decode_attention_) {
+    // few rows per (sequence, KV head): the CUDA decode kernels where routed (cuda_backend.h)
+    const int64_t pairs = int64_t{meta.num_seqs} * pool.num_kv_heads;
+    const int64_t rows = int64_t{meta.max_query_len} * (q.dim(1) / pool.num_kv_heads);
+    a.force_tensor_cores = attention_tensor_cores_;
+    const bool routed = attention_tensor_cores_ || (rows <= kCudaCoreRows ? pairs <= kCudaDecodeMaxPairs
+                                                                          : pairs <= kTensorCoreMaxPairs);
+    if (routed && cuda::decode_attention_check(a) == nullptr) {
       DFLASH_CUDA_CHECK(cuda::decode_attention(a, stream_));
       return;
     }
