@@ -62,7 +62,8 @@ nb::tuple triton_paged_attention(const CudaArray& q, const CudaArray& k_pool,
                                  const CudaI32& block_table, bool causal, int32_t window,
                                  int32_t max_query_len, int32_t max_kv_len,
                                  std::optional<CudaArray> workspace, int32_t force_variant,
-                                 int32_t force_splits, uintptr_t stream, bool symmetric_window) {
+                                 int32_t force_splits, uintptr_t stream, bool symmetric_window,
+                                 bool synchronize) {
   PagedAttentionArgs a = dflash::testing_bindings::paged_attention_args(
       q, k_pool, v_pool, out, query_start, kv_len, block_table, causal, window, symmetric_window, max_query_len,
       max_kv_len, workspace, force_splits);
@@ -79,7 +80,7 @@ nb::tuple triton_paged_attention(const CudaArray& q, const CudaArray& k_pool,
     const auto& api = dflash::cuda_driver::driver_api();
     const auto s = reinterpret_cast<cudaStream_t>(stream);
     DFLASH_CU_CHECK(dflash::triton_aot::paged_attention(modules, s, a));
-    DFLASH_CU_CHECK(api.cuStreamSynchronize(s));
+    if (synchronize) DFLASH_CU_CHECK(api.cuStreamSynchronize(s));
   }
   return nb::make_tuple(variant_name(plan.variant), plan.num_splits, plan.block_m);
 }
@@ -180,10 +181,11 @@ void bind_triton_testing(nb::module_& testing) {
               "out"_a, "query_start"_a, "kv_len"_a, "block_table"_a, "causal"_a, "window"_a,
               "max_query_len"_a, "max_kv_len"_a, "workspace"_a = nb::none(),
               "force_variant"_a = 0, "force_splits"_a = 0, "stream"_a = 0,
-              "symmetric_window"_a = false,
+              "symmetric_window"_a = false, "synchronize"_a = true,
               "AOT Triton paged attention over torch CUDA tensors (bf16 q/pools/out, int32 "
               "metadata); writes out, synchronises `stream` (an int handle, default the legacy "
-              "stream) and returns (variant, num_splits, block_m). force_variant: 0 auto, "
+              "stream; synchronize=False: launches only, e.g. inside a graph capture) and returns "
+              "(variant, num_splits, block_m). force_variant: 0 auto, "
               "1 prefill, 2 decode; force_splits: 0 auto; symmetric_window: with window > 0, "
               "keys |q_pos - j| < window (causal ignored).");
   testing.def(
