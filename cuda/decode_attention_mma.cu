@@ -15,11 +15,13 @@
 //     masked (causal, windows, the split's end, rows past the launch's queries);
 //   - online softmax in registers (a row's four lanes of a quad reduce with shuffles), exp2;
 //   - O += P V with P repacked from the score fragments to bf16 A operands and V through
-//     ldmatrix.trans. A V element that is not finite is read as 0: a masked key's p is 0, but
-//     0 * NaN is NaN (a NaN row of a rejected draft behind the query in causal order).
+//     ldmatrix.trans. In a pass where some row masks some key, a V element that is not finite
+//     is read as 0: a masked key's p is 0, but 0 * NaN is NaN (a NaN row of a rejected draft
+//     behind the query in causal order). A pass that every row sees whole skips the mask and
+//     this check (a non-finite V then reaches every row, as it should).
 // The warps' partial rows meet in shared memory; one active split writes out, several write
-// (m, l, acc) partials and the last CTA combines them (decode_attention_common.cuh), so the
-// launch is one kernel either way.
+// (m, l, acc) partials, which the last CTA combines (decode_attention_common.cuh) for up to 16
+// rows, and a second kernel (decode_attention_mma_combine_kernel, spread over the rows) above.
 //
 // Programmatic dependent launch: detail::pdl_begin() before any memory access.
 #include "cuda/common.cuh"
@@ -143,6 +145,17 @@ __global__ void __launch_bounds__(kThreads) decode_attention_mma_kernel(Params p
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[t][e] = 0.0f;
 
+  // A pass whose every key every row sees (rows past `rows` are never written): no mask, and a
+  // non-finite V reaches the rows that see it, as it should.
+  const int first_q = kv_len - num_q, last_q = kv_len - 1;
+  auto pass_is_full = [&](int pass0) {
+    const int last = pass0 + kPassKeys - 1;
+    bool full = last < c1;
+    if (p.causal) full = full && last <= first_q;
+    if (p.window > 0) full = full && pass0 > last_q - p.window;
+    if (p.symmetric) full = full && last < first_q + p.window;
+    return full;
+  };
   const int key0 = kgroup * KW;  // this warp's first key of each pass
   const int mi = lane >> 3;      // ldmatrix: the matrix this lane addresses a row of
   for (int pass = 0; pass < num_passes; ++pass) {
@@ -172,18 +185,30 @@ __global__ void __launch_bounds__(kThreads) decode_attention_mma_kernel(Params p
       }
     }
 
-    // Scale, mask, online softmax (each row's 4 lanes of the quad share m and alpha).
+    // Scale, mask (only where a key of the pass is hidden from some row: the causal diagonal, a
+    // window's edge, the split's end), online softmax (each row's 4 lanes of the quad share m).
     const int pass0 = c0 + pass * kPassKeys;
+    const bool full = pass_is_full(pass0);
     float mx[2] = {-INFINITY, -INFINITY};
+    if (full) {
 #pragma unroll
-    for (int t = 0; t < NT; ++t)
+      for (int t = 0; t < NT; ++t)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int h = e >> 1, j = pass0 + key0 + 8 * t + 2 * quad + (e & 1);
-        const bool visible = row_ok[h] && j < c1 && key_visible(p, j, q_pos[h]);
-        s[t][e] = visible ? s[t][e] * p.qk_scale : -INFINITY;
-        mx[h] = fmaxf(mx[h], s[t][e]);
-      }
+        for (int e = 0; e < 4; ++e) {
+          s[t][e] *= p.qk_scale;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[t][e]);
+        }
+    } else {
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e >> 1, j = pass0 + key0 + 8 * t + 2 * quad + (e & 1);
+          const bool visible = row_ok[h] && j < c1 && key_visible(p, j, q_pos[h]);
+          s[t][e] = visible ? s[t][e] * p.qk_scale : -INFINITY;
+          mx[h] = fmaxf(mx[h], s[t][e]);
+        }
+    }
     float alpha[2], m_ref[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -222,8 +247,10 @@ __global__ void __launch_bounds__(kThreads) decode_attention_mma_kernel(Params p
       for (int t = 0; t < DT; t += 2) {
         uint32_t b[4];
         ldmatrix_x4_trans(b, smem_addr(v_s + (key0 + 16 * u + (mi & 1) * 8 + (lane & 7)) * S + 8 * t + (mi >> 1) * 8));
+        if (!full) {  // a masked key's p is 0, and 0 * NaN is NaN
 #pragma unroll
-        for (int i = 0; i < 4; ++i) b[i] = finite_or_zero(b[i]);
+          for (int i = 0; i < 4; ++i) b[i] = finite_or_zero(b[i]);
+        }
         mma_bf16(acc[t], a0, a1, a2, a3, b[0], b[1]);
         mma_bf16(acc[t + 1], a0, a1, a2, a3, b[2], b[3]);
       }
@@ -273,10 +300,56 @@ __global__ void __launch_bounds__(kThreads) decode_attention_mma_kernel(Params p
     write_row_element<HD>(p, row_base(p, q_begin, kv_head, group, r), d, a, m_max, l, split, num_splits,
                           keys.active);
   }
-  if (keys.active > 1) {
+  if (MT == 1 && keys.active > 1) {
     combine_splits<HD>(p, seq, kv_head, q_begin, group, rows, ROWS, num_splits, keys.active,
                        reinterpret_cast<float*>(kv_s));
   }
+}
+
+// The split combine of launches with more than 16 rows per (sequence, KV head), a second kernel:
+// one CTA (the last to finish) reading every split's partial of 64 rows took ~40 us on the H200;
+// here thread i of CTA (seq, kv_head, z) owns 4 dims of row z * kRowsPerCta + i / (HD / 4) and
+// reads the splits' (m, l, acc) in split order with an online rescale (loads of 8 splits in
+// flight). A sequence with one active split was written out by the attention kernel.
+template <int HD>
+__global__ void __launch_bounds__(kThreads) decode_attention_mma_combine_kernel(Params p, int rows_cap,
+                                                                                  int num_splits) {
+  constexpr int kVecsPerRow = HD / 4;
+  constexpr int kRowsPerCta = kThreads / kVecsPerRow;
+  detail::pdl_begin();
+  const int seq = blockIdx.x, kv_head = blockIdx.y;
+  const int q_begin = p.query_start[seq];
+  const int num_q = p.query_start[seq + 1] - q_begin;
+  const int rows = min(num_q * (p.num_heads / p.num_kv_heads), rows_cap);
+  const int r = blockIdx.z * kRowsPerCta + threadIdx.x / kVecsPerRow;
+  if (num_q <= 0 || r >= rows) return;
+  const int active = split_keys(p, max(p.kv_len[seq], 0), num_q, 0, num_splits, kPassKeys).active;
+  if (active <= 1) return;
+  const int d = (threadIdx.x % kVecsPerRow) * 4;
+  const int64_t base = row_base(p, q_begin, kv_head, p.num_heads / p.num_kv_heads, r);
+  const int64_t stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
+  const float* ws_acc = p.workspace;
+  const float* ws_ml = p.workspace + static_cast<int64_t>(num_splits) * stride * HD;
+  float m_run = -INFINITY, den = 0.0f;
+  float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+  for (int s = 0; s < active; ++s) {
+    const float2 ml = __ldcg(reinterpret_cast<const float2*>(ws_ml + (s * stride + base) * 2));
+    const float4 a = __ldcg(reinterpret_cast<const float4*>(ws_acc + (s * stride + base) * HD + d));
+    if (ml.x == -INFINITY) continue;  // no key of this split is visible to the row
+    const float m_new = fmaxf(m_run, ml.x);
+    const float old = exp2f(m_run - m_new), w = exp2f(ml.x - m_new);
+    num.x = num.x * old + w * a.x;
+    num.y = num.y * old + w * a.y;
+    num.z = num.z * old + w * a.z;
+    num.w = num.w * old + w * a.w;
+    den = den * old + w * ml.y;
+    m_run = m_new;
+  }
+  const float inv = 1.0f / (den == 0.0f ? 1.0f : den);
+  __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(p.out + base * HD + d);
+  out[0] = __floats2bfloat162_rn(num.x * inv, num.y * inv);
+  out[1] = __floats2bfloat162_rn(num.z * inv, num.w * inv);
 }
 
 using KernelFn = void (*)(Params);
@@ -296,7 +369,12 @@ cudaError_t launch_mma(const Params& p, int rows, dim3 grid, cudaStream_t stream
   // Above the 48 KB default (every shape here): raise the kernel's dynamic limit.
   const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
-  const cudaError_t l = detail::launch(kernel, grid, dim3(kThreads), smem, stream, p);
+  cudaError_t l = detail::launch(kernel, grid, dim3(kThreads), smem, stream, p);
+  if (l != cudaSuccess || mt == 1 || grid.z == 1) return l != cudaSuccess ? l : cudaGetLastError();
+  constexpr int kRowsPerCta = kThreads / (HD / 4);
+  const dim3 combine_grid(grid.x, grid.y, static_cast<unsigned>((16 * mt + kRowsPerCta - 1) / kRowsPerCta));
+  l = detail::launch(decode_attention_mma_combine_kernel<HD>, combine_grid, dim3(kThreads), 0, stream, p, 16 * mt,
+                     static_cast<int>(grid.z));
   return l != cudaSuccess ? l : cudaGetLastError();
 }
 
