@@ -17,10 +17,10 @@ struct KernelOptions {
   std::string gemm = "auto";
   // CUDA: norms and activations fused into the skinny GEMMs (false: the unfused kernels).
   bool fused_layers = true;
-  // CUDA decode attention: "auto" (the CUDA split-KV kernels where they fit: CUDA cores for the
-  // AR step's few rows, tensor cores for the verify step's and the drafter's 17..64 rows per KV
-  // head; else Triton), "triton" (always the AOT Triton kernels) or "tensor_cores" (the
-  // tensor-core kernel for every launch of up to 64 rows per KV head, the AR step's included).
+  // CUDA decode attention: "auto" (the CUDA-core split-KV kernel for the AR step's few rows at
+  // batch <= 2 of 8 KV heads, else Triton), "triton" (always the AOT Triton kernels) or
+  // "tensor_cores" (the tensor-core split-KV kernel for every launch of up to 64 rows per KV head:
+  // AR, verify and drafter blocks; opt-in, for A/B timing).
   std::string attention = "auto";
   // CUDA: programmatic dependent launch. Process-wide: the last CUDA session opened sets it.
   bool programmatic_launch = true;

@@ -400,8 +400,7 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
     const int64_t pairs = int64_t{meta.num_seqs} * pool.num_kv_heads;
     const int64_t rows = int64_t{meta.max_query_len} * (q.dim(1) / pool.num_kv_heads);
     a.force_tensor_cores = attention_tensor_cores_;
-    const bool routed = attention_tensor_cores_ || (rows <= kCudaCoreRows ? pairs <= kCudaDecodeMaxPairs
-                                                                          : pairs <= kTensorCoreMaxPairs);
+    const bool routed = attention_tensor_cores_ || (rows <= kCudaCoreRows && pairs <= kCudaDecodeMaxPairs);
     if (routed && cuda::decode_attention_check(a) == nullptr) {
       DFLASH_CUDA_CHECK(cuda::decode_attention(a, stream_));
       return;

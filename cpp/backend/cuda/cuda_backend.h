@@ -140,20 +140,20 @@ class CudaBackend final : public Backend {
   static constexpr int64_t kAttentionCounterSlots = 1 << 16;
   // Attention launches of at most kCudaCoreRows rows per (sequence, KV head) and at most
   // kCudaDecodeMaxPairs (sequence, KV head) pairs run the CUDA-core decode kernel (cuda/
-  // decode_attention.cu); launches of kCudaCoreRows + 1 .. kDecodeAttentionMaxRows rows (the verify
-  // step, the drafter's block) and at most kTensorCoreMaxPairs pairs the tensor-core kernel (cuda/
-  // decode_attention_mma.cu); the rest the Triton kernels. CUDA-core kernel, measured on the H200
+  // decode_attention.cu), the rest the Triton kernels. CUDA-core kernel, measured on the H200
   // (Qwen3-8B geometry, AR step in CUDA graphs; bench/results/gpu_h200_decode_attention_routing.json):
   // batch 1 context 512 5.12 -> 4.83 ms, batch 1 context 4096 5.32 -> 5.45 ms (its split CTAs take
   // 2 passes there), batch 4 context 512 5.14 -> 5.19 ms, batch 4 context 4096 5.80 -> 6.87 ms: so
   // batch <= 2 of 8 KV heads. kernels.attention (DFLASH_ATTENTION, read at construction): "triton"
-  // sends every launch to Triton, "tensor_cores" every launch of <= kDecodeAttentionMaxRows rows to
-  // the tensor-core kernel, whatever the pair count.
+  // sends every launch to Triton; "tensor_cores" every launch of <= kDecodeAttentionMaxRows rows to
+  // the tensor-core kernel (cuda/decode_attention_mma.cu), whatever the pair count. That kernel is
+  // opt-in: faster than both others per call in isolation at query length 1, but not in the step,
+  // and slower than Triton for the verify step's 64 rows past one pass per CTA
+  // (bench/results/gpu_h200_attention_tensor_cores.json, 2026-12-04).
   bool cuda_decode_attention_ = true;
   bool attention_tensor_cores_ = false;
   static constexpr int64_t kCudaCoreRows = 16;
   static constexpr int64_t kCudaDecodeMaxPairs = 16;
-  static constexpr int64_t kTensorCoreMaxPairs = int64_t{1} << 30;
   // The radix top-K's per-row completion counters (zero between launches; its partials come
   // from the step arena).
   int32_t* topk_counters_ = nullptr;
