@@ -15,7 +15,7 @@ Two timings per case: CUPTI kernel durations (torch.profiler; launch latency exc
 programmatic dependent launch a kernel's duration includes its wait for the one before):
 microseconds per call summed over the call's kernels, launches per call and K/V bytes read / time;
 and `graph_us_per_call`, the wall time of one call in a CUDA graph of 20 back-to-back calls
-(device events over replays, median of 5): what a step pays.
+(device events, median of 5 replays): what a step pays.
 
 Usage (GPU machine, dflash installed): python bench/bench_gpu_attention_small.py --out DIR
 Writes DIR/gpu_h200_attention_small.json.
@@ -28,32 +28,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import cuda_kernel_totals, run_record, write_json  # noqa: E402
+from gpu_common import cuda_kernel_totals, graph_time, run_record, write_json  # noqa: E402
 
 NH, NKV, HD, BS = 32, 8, 128, 16
-
-
-def graph_us_per_call(torch, call_on, calls=20, replays=5):
-    """Median wall microseconds of one call inside a CUDA graph of `calls` back-to-back calls."""
-    stream = torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        call_on(stream.cuda_stream)  # warm-up on the capture stream
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            call_on(stream.cuda_stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps):
@@ -85,6 +62,8 @@ def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps):
     def call():
         return call_on(torch.cuda.current_stream().cuda_stream)
 
+    calls = [call] * 20  # the graph's back-to-back calls
+
     launched_splits = call()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CUDA]
@@ -101,7 +80,7 @@ def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps):
             "launches_per_call": sum(n for _, n in totals.values()) / reps,
             "kernels_us": {k[:60]: round(v, 2) for k, v in per.items()},
             "kv_gbs": round(kv_bytes / (total * 1e-6) / 1e9, 1) if total else None,
-            "graph_us_per_call": round(graph_us_per_call(torch, call_on), 2)}
+            "graph_us_per_call": round(graph_time(calls, trials=5, replays=1) * 1e6 / len(calls), 2)}
 
 
 def main():

@@ -49,6 +49,7 @@ from gpu_common import (  # noqa: E402
     copy_bandwidth,
     cuda_kernel_totals,
     free_cuda_memory,
+    graph_time,
     qwen3_config,
     run_record,
     update_headline,
@@ -81,36 +82,6 @@ def stream() -> int:
     import torch
 
     return torch.cuda.current_stream().cuda_stream
-
-
-def graph_time(calls: list[Callable[[], Any]], trials: int = 20, replays: int = 10) -> float:
-    """Seconds per replay of one CUDA graph of `calls` (median of `trials` timings of `replays`)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(replays):
-            g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3 / replays)
-    del g
-    return statistics.median(times)
 
 
 def eager_time(fn: Callable[[], Any], trials: int = 20, reps: int = 5) -> float:

@@ -13,8 +13,9 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -317,3 +318,34 @@ def split_idle_time(intervals: list[tuple[float, float]], steps: int) -> dict[st
             "within_steps_us_per_step": sum(within) / steps,
             "largest_within_us": within[0] if within else 0.0,
             "smallest_between_us": between[-1] if between else 0.0}
+
+
+def graph_time(calls: list[Callable[[], Any]], trials: int = 20, replays: int = 10) -> float:
+    """Seconds per replay of one CUDA graph of `calls` (median of `trials` timings of `replays`).
+    The calls launch on torch's current stream (the capture stream while capturing)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(replays):
+            g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3 / replays)
+    del g
+    return statistics.median(times)
