@@ -126,6 +126,13 @@ cudaError_t stream_gemm(const __nv_bfloat16* in, const __nv_bfloat16* w, int64_t
                         const SkinnyFusion& fusion, bool out_f32, void* out, cudaStream_t stream,
                         const StreamGemmConfig* config = nullptr);
 
+// Starts loading w[0, bytes) into L2 for a later kernel (cuda/l2_prefetch.cu): bulk prefetches
+// over up to max_blocks CTAs of one warp, issued while the kernel ahead still runs; the kernel
+// ends after that one (stream order kept). A hint: nothing is written. w 16-byte aligned,
+// bytes > 0 (a tail of bytes % 16 is not prefetched), max_blocks >= 1; cudaErrorInvalidValue
+// otherwise.
+cudaError_t l2_prefetch(const void* w, int64_t bytes, int max_blocks, cudaStream_t stream);
+
 // fp32 <-> bf16 element conversion
 cudaError_t bf16_to_f32(const __nv_bfloat16* x, int64_t n, float* out, cudaStream_t stream);
 cudaError_t f32_to_bf16(const float* x, int64_t n, __nv_bfloat16* out, cudaStream_t stream);

@@ -53,6 +53,9 @@ struct Fp8Weight {
   size_t nbytes() const { return q.nbytes() + scale.nbytes(); }
 };
 
+// The linear layers of a decoder layer, named in weight prefetch hints (Backend::prefetch_weight).
+enum class LayerLinear { kQkv, kO, kGateUp, kDown };
+
 // A captured sequence of backend ops (a CUDA graph), replayed with `Backend::graph_launch`.
 class CapturedGraph {
  public:
@@ -96,6 +99,12 @@ class Backend {
   virtual void silu_mul(const Tensor& gate_up, Tensor& out) = 0;
   // out[T, H] = a[T, H] + b[T, H]  (out may be a)
   virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;
+
+  // A hint that the first `bytes` of weight w are read soon, by the decoder layer's linear layer
+  // `which`: a backend with a cache between memory and the cores may start loading them now,
+  // while the latency-bound ops before that layer leave memory idle. Changes no result; the
+  // default ignores it.
+  virtual void prefetch_weight(const Tensor& w, int64_t bytes, LayerLinear which) {}
 
   // The linear layers of a decoder layer with their neighbours, which a backend may fuse (the
   // defaults compose the ops above; `normed`, `act` and `proj` are scratch of the unfused form):

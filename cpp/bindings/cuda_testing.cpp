@@ -108,6 +108,14 @@ void cuda_add(const Any& a, const Any& b, const Any& out) {
                           nullptr));
 }
 
+// L2 prefetch of the first `bytes` bytes of w (any dtype) over at most max_blocks CTAs.
+void cuda_l2_prefetch(const Any& w, int64_t bytes, int max_blocks) {
+  use_device(w.device_id());
+  DFLASH_ARG_CHECK(bytes <= static_cast<int64_t>(w.nbytes()), "l2_prefetch: bytes (", bytes, ") past the end of w (",
+                   w.nbytes(), " bytes)");
+  finish("l2_prefetch", cuda::l2_prefetch(w.data(), bytes, max_blocks, nullptr));
+}
+
 void cuda_bf16_to_f32(const Any& x, const F32& out) {
   DFLASH_ARG_CHECK(numel(x) == static_cast<int64_t>(out.size()), "bf16_to_f32: x, out of one size");
   use_device(x.device_id());
@@ -514,6 +522,7 @@ void bind_cuda_testing(nb::module_& m) {
   m.def("cuda_add_rms_norm", &cuda_add_rms_norm, "residual"_a, "x"_a, "w"_a, "eps"_a, "out"_a);
   m.def("cuda_silu_mul", &cuda_silu_mul, "gate_up"_a, "out"_a);
   m.def("cuda_add", &cuda_add, "a"_a, "b"_a, "out"_a);
+  m.def("cuda_l2_prefetch", &cuda_l2_prefetch, "w"_a, "bytes"_a, "max_blocks"_a);
   m.def("cuda_bf16_to_f32", &cuda_bf16_to_f32, "x"_a, "out"_a);
   m.def("cuda_f32_to_bf16", &cuda_f32_to_bf16, "x"_a, "out"_a);
   m.def("cuda_qkv_norm_rope", &cuda_qkv_norm_rope, "qkv"_a, "q_norm"_a.none(), "k_norm"_a.none(),

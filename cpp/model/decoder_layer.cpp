@@ -80,15 +80,27 @@ LayerScratch::LayerScratch(Backend& b, const LayerGeometry& g, int64_t t) {
   act = b.empty({t, g.intermediate}, dt);
 }
 
+// Weight prefetch hints (Backend::prefetch_weight), given before the latency-bound ops that
+// precede each linear layer, sized by the memory time those ops leave idle on the H200 at
+// batch 1 (bench/results/gpu_h200_step_profile*.json, launches timed without programmatic
+// launch): the O projection's whole weight during RoPE + attention (~15 us, ~60 MB of
+// bandwidth), a prefix for the layers behind a norm (~3 us: 12 MiB) or behind SiLU (~2 us: 8 MiB).
+constexpr int64_t kPrefetchBehindNorm = int64_t{12} << 20;
+constexpr int64_t kPrefetchBehindSilu = int64_t{8} << 20;
+
 void decoder_layer_forward(Backend& b, const LayerWeights& w, const LayerGeometry& g, const Tensor& positions,
                            const Tensor& inv_freq, const Tensor& slots, const AttentionMeta& meta, KVPool& pool,
                            int64_t layer, Tensor& residual, LayerScratch& s) {
   const int64_t t = residual.dim(0);
+  b.prefetch_weight(w.qkv, kPrefetchBehindNorm, LayerLinear::kQkv);
   b.rms_norm_linear(residual, w.input_norm, g.eps, w.qkv, s.qkv, s.normed);
+  b.prefetch_weight(w.o, static_cast<int64_t>(w.o.nbytes()), LayerLinear::kO);
   b.qkv_norm_rope_write(s.qkv, w.q_norm, w.k_norm, g.eps, positions, inv_freq, slots, s.q, s.k, s.v, pool, layer);
   b.paged_attention(s.q, pool, layer, meta, s.attn);
   b.linear_add(s.attn.reshape({t, g.num_heads * g.head_dim}), w.o, residual, s.proj);
+  b.prefetch_weight(w.gate_up, kPrefetchBehindNorm, LayerLinear::kGateUp);
   b.rms_norm_linear(residual, w.post_norm, g.eps, w.gate_up, s.gate_up, s.normed);
+  b.prefetch_weight(w.down, kPrefetchBehindSilu, LayerLinear::kDown);
   b.silu_mul_linear_add(s.gate_up, w.down, residual, s.act, s.proj);
 }
 

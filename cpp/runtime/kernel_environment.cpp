@@ -25,6 +25,7 @@ KernelOptions kernel_options_with_environment(KernelOptions options) {
   override_string("DFLASH_GEMM", &options.gemm);
   override_switch("DFLASH_FUSED", &options.fused_layers);
   override_string("DFLASH_ATTENTION", &options.attention);
+  override_string("DFLASH_L2_PREFETCH", &options.l2_prefetch);
   override_switch("DFLASH_PDL", &options.programmatic_launch);
   override_string("DFLASH_CPU_GEMM", &options.cpu_gemm);
   override_string("DFLASH_CUBLASLT_PATH", &options.cublaslt_path);

@@ -1,6 +1,6 @@
 // dflash::KernelOptions: which kernels a session's backend uses, for A/B timing and debugging.
 // Outputs stay within each backend's numerics whatever is chosen. The environment variables
-// DFLASH_GEMM, DFLASH_FUSED, DFLASH_ATTENTION, DFLASH_PDL, DFLASH_CPU_GEMM,
+// DFLASH_GEMM, DFLASH_FUSED, DFLASH_ATTENTION, DFLASH_L2_PREFETCH, DFLASH_PDL, DFLASH_CPU_GEMM,
 // DFLASH_CUBLASLT_PATH and DFLASH_BATCH_INVARIANT, when set, override these fields once, when a
 // session opens.
 #pragma once
@@ -22,6 +22,12 @@ struct KernelOptions {
   // "tensor_cores" (the tensor-core split-KV kernel for every launch of up to 64 rows per KV head:
   // AR, verify and drafter blocks; opt-in, for A/B timing).
   std::string attention = "auto";
+  // CUDA: the weights of a decoder layer's linear layers loaded into L2 ahead of their GEMM, in
+  // the time that the latency-bound kernels before it (norms, RoPE, decode attention) leave HBM
+  // idle: "off", "all", or a comma-separated list of qkv, o, gate_up, down. The O projection is
+  // prefetched whole during its attention, the others only a prefix the size of the gap before
+  // them (decoder_layer.cpp); weights under 8 MiB never. Results do not change.
+  std::string l2_prefetch = "off";
   // CUDA: programmatic dependent launch. Process-wide: the last CUDA session opened sets it.
   bool programmatic_launch = true;
   // CPU GEMMs: "auto" (every GEMM on the AVX-512 skinny kernel where the CPU has AVX-512; else 2..16

@@ -46,6 +46,28 @@ CudaBackend::GemmMode gemm_mode_of(const std::string& s) {
                          : CudaBackend::GemmMode::kAuto;
 }
 
+// kernels.l2_prefetch: "off", "all" or a comma-separated list of qkv, o, gate_up, down.
+unsigned l2_prefetch_mask_of(const std::string& s) {
+  if (s == "off" || s.empty()) return 0;
+  if (s == "all") return 0xF;
+  unsigned mask = 0;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t end = std::min(s.find(',', start), s.size());
+    const std::string item = s.substr(start, end - start);
+    const int bit = item == "qkv" ? static_cast<int>(LayerLinear::kQkv)
+                    : item == "o" ? static_cast<int>(LayerLinear::kO)
+                    : item == "gate_up" ? static_cast<int>(LayerLinear::kGateUp)
+                    : item == "down" ? static_cast<int>(LayerLinear::kDown)
+                                     : -1;
+    DFLASH_ARG_CHECK(bit >= 0, "kernels.l2_prefetch (DFLASH_L2_PREFETCH) must be off, all or a comma-separated "
+                     "list of qkv, o, gate_up, down, got '", s, "'");
+    mask |= 1u << bit;
+    start = end + 1;
+  }
+  return mask;
+}
+
 }  // namespace
 
 CudaBackend::CudaBackend(int device, size_t scratch_bytes, const KernelOptions& kernels)
@@ -58,6 +80,7 @@ CudaBackend::CudaBackend(int device, size_t scratch_bytes, const KernelOptions& 
                    kernels.attention, "'");
   cuda_decode_attention_ = kernels.attention != "triton";
   attention_tensor_cores_ = kernels.attention == "tensor_cores";
+  l2_prefetch_mask_ = l2_prefetch_mask_of(kernels.l2_prefetch);
   cuda_driver::set_pdl_enabled(kernels.programmatic_launch);
   cublaslt_path_ = kernels.cublaslt_path;
   int count = 0;
@@ -72,6 +95,7 @@ CudaBackend::CudaBackend(int device, size_t scratch_bytes, const KernelOptions& 
   DFLASH_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   DFLASH_CHECK(prop.major == 9, "the CUDA backend is built for Hopper (sm_90a); device ", device, " is sm_",
                prop.major, prop.minor);
+  num_sms_ = prop.multiProcessorCount;
   DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   for (cudaEvent_t& e : step_events_) DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   DFLASH_CUDA_CHECK(cudaMalloc(&scratch_, scratch_bytes_));
@@ -321,6 +345,13 @@ void CudaBackend::linear(const Tensor& x, const Tensor& w, Tensor& out) {
     return;
   }
   gemm_->linear(x.data, w.data, out.data, m, n, k, out.dtype == DType::kF32, stream_);
+}
+
+void CudaBackend::prefetch_weight(const Tensor& w, int64_t bytes, LayerLinear which) {
+  if ((l2_prefetch_mask_ & (1u << static_cast<int>(which))) == 0) return;
+  const int64_t total = static_cast<int64_t>(w.nbytes());
+  if (total < kMinPrefetchBytes || bytes <= 0) return;
+  DFLASH_CUDA_CHECK(cuda::l2_prefetch(w.data, std::min(bytes, total), num_sms_, stream_));
 }
 
 void CudaBackend::silu_mul(const Tensor& gate_up, Tensor& out) {

@@ -60,6 +60,7 @@ class CudaBackend final : public Backend {
   void silu_mul_linear_add(const Tensor& gate_up, const Tensor& w, Tensor& residual, Tensor& act,
                            Tensor& proj) override;
   void silu_mul(const Tensor& gate_up, Tensor& out) override;
+  void prefetch_weight(const Tensor& w, int64_t bytes, LayerLinear which) override;
   void add(const Tensor& a, const Tensor& b, Tensor& out) override;
   void qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, float eps,
                      const Tensor& positions, const Tensor& inv_freq, float rope_scale, Tensor& q, Tensor& k,
@@ -152,6 +153,12 @@ class CudaBackend final : public Backend {
   // (bench/results/gpu_h200_attention_tensor_cores.json, 2026-12-04).
   bool cuda_decode_attention_ = true;
   bool attention_tensor_cores_ = false;
+  // KernelOptions::l2_prefetch: bit (1 << LayerLinear) set for the linear layers whose weight
+  // hints (prefetch_weight) launch an L2 prefetch (cuda/l2_prefetch.cu) over num_sms_ CTAs at
+  // most; weights under kMinPrefetchBytes are left alone (they load in a few microseconds).
+  unsigned l2_prefetch_mask_ = 0;
+  int num_sms_ = 1;
+  static constexpr int64_t kMinPrefetchBytes = int64_t{8} << 20;
   static constexpr int64_t kCudaCoreRows = 16;
   static constexpr int64_t kCudaDecodeMaxPairs = 16;
   // The radix top-K's per-row completion counters (zero between launches; its partials come
