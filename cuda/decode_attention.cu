@@ -134,6 +134,11 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   if (split >= keys.active) return;
   const int c0 = keys.c0, c1 = keys.c1, active = keys.active;
 
+  // The first pass's K/V loads (HBM) go out before Q is staged (L2), so their latencies overlap.
+  const int32_t* table = p.block_table + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
+  PassLoads<HD> cur, nxt;
+  if (c0 < c1) load_pass<HD>(p, table, kv_head, c0, c1, cur);
+
   for (int i = tid; i < RB * HD; i += kThreads) {
     const int r = i / HD, d = i % HD;
     float v = 0.0f;
@@ -153,9 +158,6 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
 #pragma unroll
     for (int d = 0; d < DL; ++d) acc[r][d] = 0.0f;
 
-  const int32_t* table = p.block_table + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
-  PassLoads<HD> cur, nxt;
-  if (c0 < c1) load_pass<HD>(p, table, kv_head, c0, c1, cur);
   __syncthreads();
 
   const int half = lane & 1, kk = 16 * warp + (lane >> 1);  // QK: this thread's key in the pass

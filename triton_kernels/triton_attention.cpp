@@ -52,6 +52,13 @@ static_assert(g::paged_attention_split_reduce_hd128::kMaxSplits == kMaxSplits, "
 
 // Split-KV heuristics: aim at two CTAs per SM, each over at least this many keys of max_kv_len
 // (one BLOCK_N tile: in decode graphs max_kv_len is an upper bound, so splits must stay cheap).
+// Launches on the 64-row tile (verify and drafter blocks) are not split once the unsplit grid
+// covers half the SMs: their split reduce costs more than the splits gain. H200, Qwen3-8B
+// geometry, 16 queries per sequence, graph-timed per call (bench/results/
+// gpu_h200_attention_small.json, 2026-12-04): batch 16 (128 CTAs) at context 512 21.7 us unsplit
+// vs 55.6 us in 3 splits, at context 4096 134 vs 141 us; batch 4 (32 CTAs) still gains from
+// splits (context 4096: 42.8 vs 130 us). The 16-row tile keeps the rule above (batch 16,
+// context 4096, one query: 86 us in 3 splits vs 159 us unsplit).
 constexpr int64_t kMinKeysPerSplit = 64;
 constexpr int kCtasPerSm = 2;
 
@@ -122,6 +129,8 @@ int32_t choose_splits(const Modules& m, const PagedAttentionArgs& a, const char*
   // kv_len) leaves at most window + num_q - 1 keys.
   if (a.window > 0) span = std::min<int64_t>(span, int64_t{a.window} + a.max_query_len);
   const int64_t ctas = int64_t{a.num_seqs} * a.num_kv_heads;
+  const int64_t rows = int64_t{a.max_query_len} * (a.num_heads / a.num_kv_heads);
+  if (rows > kDecodeSmallM && 2 * ctas >= m.num_sms()) return 1;
   const int64_t want = (int64_t{kCtasPerSm} * m.num_sms() + ctas - 1) / ctas;
   const int64_t splits = std::min({want, span / kMinKeysPerSplit, capacity});
   return splits >= 2 ? static_cast<int32_t>(splits) : 1;

@@ -158,6 +158,34 @@ class Batch:
         return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
 
 
+def _unsplit_large_tile(rows, ctas):
+    """The split rule's exception: rows on the 64-row tile and an unsplit grid of >= half the SMs."""
+    import torch
+
+    return rows > 16 and 2 * ctas >= torch.cuda.get_device_properties(0).multi_processor_count
+
+
+@pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("context", [512, 4096])
+def test_split_rule_at_batch_16(nh, nkv, hd, context):
+    # The verify step's 16 queries per sequence (64 / 48 rows per KV head, the 64-row tile) at
+    # batch 16: unsplit where the grid covers half the SMs (128 CTAs of Qwen3-8B's 8 KV heads),
+    # split where it does not (48 CTAs of SmolLM2's 3); one query per sequence (the 16-row tile)
+    # keeps split-KV at a long context. Both match the reference.
+    kv_lens = [context - 7 * i for i in range(16)]
+    max_splits = _testing().triton_paged_attention_max_splits()
+    for nq in (16, 1):
+        b = Batch(kv_lens, [nq] * 16, nh, nkv, hd, seed=context + nq)
+        ref = b.reference(True, 0)
+        out, (variant, splits, _) = b.run(True, 0, workspace=b.workspace(max_splits))
+        assert variant == "decode"
+        if _unsplit_large_tile(nq * (nh // nkv), 16 * nkv):
+            assert splits == 1, f"{nq} queries x {nh // nkv} heads at 16 x {nkv} CTAs should not split"
+        elif nq == 16 or context == 4096:
+            assert splits > 1, f"{nq} queries at 16 x {nkv} CTAs, context {context}, should split"
+        assert_matches(out, ref, f"batch 16, {nq} queries, context {context} ({splits} splits)")
+
+
 def assert_matches(out, ref, what):
     import torch
 
@@ -293,7 +321,9 @@ def test_symmetric_window_drafter_block(nh, nkv, hd, block, window):
     assert_matches(out, ref, f"symmetric w{window} decode split 3")
     max_splits = _testing().triton_paged_attention_max_splits()
     out, (_, splits, _) = b.run(False, window, symmetric=True, workspace=b.workspace(max_splits))
-    if window >= 2048:
+    if _unsplit_large_tile(max(SYM_Q[block]) * (nh // nkv), len(SYM_KV) * nkv):
+        assert splits == 1, "64-row tiles over half the SMs or more are not split"
+    elif window >= 2048:
         assert splits > 1, "a 2048-key window over 5k-key contexts should use split-KV"
     assert_matches(out, ref, f"symmetric w{window} split-KV ({splits} splits)")
     # causal=True with symmetric_window: the symmetric window takes precedence (the CPU rule).
