@@ -1,9 +1,10 @@
 # tests/test_bench_gpu_common.py
 #
-# The pure-Python parts of the GPU benchmarks (bench/gpu_common.py, bench/bench_gpu_qwen3.py) on
-# the CPU: byte counts of a decode step against the figures of the first H200 run, the KV plan,
-# the projection and goal fields, argument parsing, and the shared headline file (merged, never
-# replaced). Nothing here times anything or needs a GPU.
+# The pure-Python parts of the GPU benchmarks (bench/gpu_common.py, bench/bench_gpu_qwen3.py,
+# bench/ab_gpu_step.py) on the CPU: byte counts of a decode step against the figures of the first
+# H200 run, the KV plan, the projection and goal fields, argument parsing, the shared headline
+# file (merged, never replaced), and the A/B runner's variant syntax, medians and ratios. Nothing
+# here times anything or needs a GPU.
 from __future__ import annotations
 
 import importlib
@@ -93,3 +94,30 @@ def test_split_idle_time_separates_step_gaps_from_kernel_gaps():
     assert r["largest_within_us"] == 1.0
     assert C.split_idle_time([], 3) == {}
     assert r["span_us_per_step"] == (steps[-2][1] - 0.0) / 3
+
+
+def test_ab_variants_parse():
+    ab = _bench_module("ab_gpu_step")
+    assert ab.parse_variant("default=") == ("default", {})
+    assert ab.parse_variant("tc=DFLASH_ATTENTION=tensor_cores,DFLASH_PDL=0") == (
+        "tc", {"DFLASH_ATTENTION": "tensor_cores", "DFLASH_PDL": "0"})
+    for bad in ("nolabel", "=DFLASH_PDL=0", "x=PATH=/bin", "x=DFLASH_PDL", "a b=DFLASH_PDL=0"):
+        with pytest.raises(ValueError):
+            ab.parse_variant(bad)
+
+
+def test_ab_summary_medians_and_ratios():
+    ab = _bench_module("ab_gpu_step")
+    result = {"ours": {"ar": {"graphs_on": {"b1_ctx512": {"step_s_median": 0.005}}},
+                       "spec": {"graphs_on": {"b1_ctx512": {"step_s_median": 0.007}, "b16_ctx512": None}}}}
+    assert ab.step_points(result) == {"ar_b1_ctx512": 5.0, "spec_b1_ctx512": 7.0}
+    runs = [{"label": "a", "points_ms": {"ar_b1_ctx512": 5.0, "spec_b1_ctx512": 7.0}},
+            {"label": "b", "points_ms": {"ar_b1_ctx512": 4.0}},
+            {"label": "a", "points_ms": {"ar_b1_ctx512": 5.2, "spec_b1_ctx512": 7.4}},
+            {"label": "b", "points_ms": {"ar_b1_ctx512": 4.4}},
+            {"label": "a", "points_ms": {"ar_b1_ctx512": 6.0}},
+            {"label": "b"}]  # a failed run: no points
+    s = ab.summarize(runs, ["a", "b"])
+    assert s["median_ms"] == {"a": {"ar_b1_ctx512": 5.2, "spec_b1_ctx512": 7.2}, "b": {"ar_b1_ctx512": 4.2}}
+    assert s["ratio_to_first"] == {"a": {"ar_b1_ctx512": 1.0, "spec_b1_ctx512": 1.0},
+                                   "b": {"ar_b1_ctx512": round(4.2 / 5.2, 4)}}
