@@ -67,7 +67,13 @@ def run_record(benchmark: str) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         machine["gpu"] = f"unknown: {e}"
     return {"benchmark": benchmark, "date": now_iso(), "command": command_line(), "machine": machine,
-            "versions": versions()}
+            "versions": versions(), "kernel_switches": kernel_switches()}
+
+
+def kernel_switches() -> dict[str, str]:
+    """The DFLASH_* variables of this process (the backend switches a session reads when it opens),
+    so that a result file says which kernels it timed."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("DFLASH_")}
 
 
 def write_json(path: str | Path, obj: Any) -> None:

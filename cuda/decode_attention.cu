@@ -25,6 +25,16 @@
 // atomic counter, reset by that CTA) combines them and writes out, so there is no second launch.
 // Deterministic: the combine sums the splits in index order.
 //
+// Fused RoPE (decode_attention_rope): the same kernel with ROPE = true also does the work of
+// qkv_norm_rope_write for its sequences, so the AR step has one launch fewer per layer. Every CTA
+// builds its rows' queries from the raw QKV projection (per-head RMSNorm and RoPE by
+// rope_common.cuh's norm_rope_head, rounded to bf16 as the unfused kernel stores them, so the
+// scores have the same bits), and the CTA whose key range holds a new token's position writes that
+// token's K (normed, rotated) and V for its KV head into the pools, then reads its keys. The key
+// ranges of the splits partition the sequence, so each new key is written by the one CTA that
+// reads it; those reads go through L2 (ld.global.cg), which sees the CTA's own writes after
+// __syncthreads (the read-only path does not promise that).
+//
 // Programmatic dependent launch: detail::pdl_begin() before any memory access.
 #include <algorithm>
 #include <cfloat>
@@ -33,6 +43,7 @@
 #include "cuda/common.cuh"
 #include "cuda/decode_attention_common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/rope_common.cuh"
 
 namespace dflash {
 namespace cuda {
@@ -75,14 +86,26 @@ struct PassLoads {
   typename VPiece<HD>::T v[16];
 };
 
-template <int HD>
-__device__ __forceinline__ void load_pass(const Params& p, const int32_t* table, int kv_head, int pass0, int c1,
-                                          PassLoads<HD>& out) {
+// A K/V piece: the read-only path, or L2 (COHERENT: the pools were written by this kernel).
+template <bool COHERENT, typename T>
+__device__ __forceinline__ T load_kv(const T* p) {
+  if constexpr (COHERENT) {
+    return __ldcg(p);
+  } else {
+    return __ldg(p);
+  }
+}
+
+// The keys [lo, c1) of the pass starting at pass0 into out; the pass's other keys read as zeros,
+// or (KEEP) keep what out holds (the fused prologue's reload of the keys it has just written).
+template <int HD, bool COHERENT, bool KEEP = false>
+__device__ __forceinline__ void load_pass(const Params& p, const int32_t* table, int kv_head, int pass0, int lo,
+                                          int c1, PassLoads<HD>& out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // Lane e < 16 of warp w looks up key 16 w + e; shuffles hand the slot to the lanes that need it.
   const int my_key = pass0 + 16 * warp + (lane & 15);
   int64_t my_row = -1;  // the key's row in the pool (slot * nkv + kv_head), -1 outside the range
-  if (my_key < c1) {
+  if (my_key >= lo && my_key < c1) {
     const int blk = __ldg(table + my_key / p.block_size);
     my_row = (static_cast<int64_t>(blk) * p.block_size + my_key % p.block_size) * p.num_kv_heads + kv_head;
   }
@@ -92,8 +115,8 @@ __device__ __forceinline__ void load_pass(const Params& p, const int32_t* table,
   if (k_row >= 0) {
     const uint4* src = reinterpret_cast<const uint4*>(p.k_pool + k_row * HD + half * (HD / 2));
 #pragma unroll
-    for (int i = 0; i < PassLoads<HD>::kKVecs; ++i) out.k[i] = __ldg(src + i);
-  } else {
+    for (int i = 0; i < PassLoads<HD>::kKVecs; ++i) out.k[i] = load_kv<COHERENT>(src + i);
+  } else if (!KEEP) {
 #pragma unroll
     for (int i = 0; i < PassLoads<HD>::kKVecs; ++i) out.k[i] = make_uint4(0, 0, 0, 0);
   }
@@ -102,15 +125,47 @@ __device__ __forceinline__ void load_pass(const Params& p, const int32_t* table,
   for (int e = 0; e < 16; ++e) {
     const int64_t v_row = __shfl_sync(0xffffffffu, my_row, e);
     if (v_row >= 0) {
-      out.v[e] = __ldg(reinterpret_cast<const VT*>(p.v_pool + v_row * HD) + lane);
-    } else {
+      out.v[e] = load_kv<COHERENT>(reinterpret_cast<const VT*>(p.v_pool + v_row * HD) + lane);
+    } else if (!KEEP) {
       out.v[e] = VT{};
     }
   }
 }
 
+// The fused prologue (ROPE): the rows' queries, RMSNormed per head (q_norm) and rotated, into
+// qb [rows][HD] (bf16, shared memory); the new tokens i in [new0, new1) of this CTA's key range:
+// K (k_norm, rotated) and V of this KV head into the pools at slots[token] (skipped when
+// negative). One warp per (row) or (token, K or V) unit; the caller syncs.
+template <int HD>
+__device__ void rope_prologue(const Params& p, int q_begin, int group, int rows, int kv_head, int new0, int new1,
+                              __nv_bfloat16* qb) {
+  constexpr int P = HD / 64;  // rope_common.cuh's lane layout (decode_attention_rope_check)
+  const int warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  const int64_t heads = p.num_heads + 2 * p.num_kv_heads;
+  const int units = rows + 2 * (new1 - new0);
+  for (int u = warp; u < units; u += num_warps) {
+    if (u < rows) {
+      const int tok = q_begin + u / group, head = kv_head * group + u % group;
+      detail::norm_rope_head<P>(p.qkv + (tok * heads + head) * HD, p.q_norm, p.eps,
+                                static_cast<float>(p.positions[tok]), p.inv_freq, HD, qb + u * HD);
+      continue;
+    }
+    const int e = u - rows, tok = q_begin + new0 + e / 2;
+    const int64_t slot = p.slots[tok];
+    if (slot < 0) continue;  // uniform over the warp
+    const int64_t dst = (slot * p.num_kv_heads + kv_head) * HD;
+    if (e % 2 == 0) {
+      detail::norm_rope_head<P>(p.qkv + (tok * heads + p.num_heads + kv_head) * HD, p.k_norm, p.eps,
+                                static_cast<float>(p.positions[tok]), p.inv_freq, HD, p.k_write + dst);
+    } else {
+      detail::copy_head<P>(p.qkv + (tok * heads + p.num_heads + p.num_kv_heads + kv_head) * HD, HD, p.v_write + dst);
+    }
+  }
+}
+
 // RB: row capacity (a multiple of 4, <= kCudaCoreMaxRows); the launch's rows = max_query_len * group <= RB.
-template <int HD, int RB>
+// ROPE: the fused prologue (decode_attention_rope; p.qkv etc. set, p.q unused).
+template <int HD, int RB, bool ROPE>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   constexpr int DL = HD / 32;           // head dims per lane in PV
   constexpr int QS = HD / 2 + 4;        // q_s half-row stride (the halves on different banks)
@@ -120,7 +175,10 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   __shared__ __align__(16) float red_s[4][RB][HD];
   static_assert((2 * kMaxSplits + 1) * RB <= 4 * RB * HD, "the combine's weights fit in red_s");
 
-  detail::pdl_begin();
+  // ROPE waits for the kernel before it further down: what is read before that, the batch's
+  // metadata (the step's input copy) and the K/V of earlier steps, no kernel of this step writes
+  // (the kernel before this one writes only qkv).
+  if constexpr (!ROPE) detail::pdl_begin();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int seq = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
   const int q_begin = p.query_start[seq];
@@ -134,17 +192,36 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   if (split >= keys.active) return;
   const int c0 = keys.c0, c1 = keys.c1, active = keys.active;
 
-  // The first pass's K/V loads (HBM) go out before Q is staged (L2), so their latencies overlap.
+  // The first pass's K/V loads (HBM) go out before Q is staged (L2), so their latencies overlap;
+  // with ROPE, before the wait for the kernel ahead (only the new tokens' keys come after).
   const int32_t* table = p.block_table + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
   PassLoads<HD> cur, nxt;
-  if (c0 < c1) load_pass<HD>(p, table, kv_head, c0, c1, cur);
+  if (c0 < c1) load_pass<HD, false>(p, table, kv_head, c0, c0, c1, cur);
+  // ROPE: the rows' queries in bf16, in red_s (not used before the end of the key loop).
+  [[maybe_unused]] __nv_bfloat16* qb = reinterpret_cast<__nv_bfloat16*>(&red_s[0][0][0]);
+  if constexpr (ROPE) {
+    detail::pdl_begin();
+    // This CTA's new tokens: queries [new0, new1), keys first_new + i in [c0, c1).
+    const int first_new = kv_len - num_q;
+    const int new0 = max(c0 - first_new, 0), new1 = min(c1 - first_new, num_q);
+    rope_prologue<HD>(p, q_begin, group, rows, kv_head, new0, new1, qb);
+    __syncthreads();  // the new keys are in the pools and qb is complete
+    // The new keys of the first pass were read stale above: again, through L2.
+    if (new0 < new1 && first_new + new0 < c0 + kPassKeys) {
+      load_pass<HD, true, true>(p, table, kv_head, c0, first_new + new0, c1, cur);
+    }
+  }
 
   for (int i = tid; i < RB * HD; i += kThreads) {
     const int r = i / HD, d = i % HD;
     float v = 0.0f;
     if (r < rows) {
-      const int tok = q_begin + r / group, head = kv_head * group + r % group;
-      v = __bfloat162float(p.q[(static_cast<int64_t>(tok) * p.num_heads + head) * HD + d]) * p.qk_scale;
+      if constexpr (ROPE) {
+        v = __bfloat162float(qb[r * HD + d]) * p.qk_scale;
+      } else {
+        const int tok = q_begin + r / group, head = kv_head * group + r % group;
+        v = __bfloat162float(p.q[(static_cast<int64_t>(tok) * p.num_heads + head) * HD + d]) * p.qk_scale;
+      }
     }
     q_s[r][d / (HD / 2)][d % (HD / 2)] = v;
   }
@@ -163,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   const int half = lane & 1, kk = 16 * warp + (lane >> 1);  // QK: this thread's key in the pass
   const int srow = tid >> 3, ssub = tid & 7;                 // softmax: 8 threads per row
   for (int pass0 = c0; pass0 < c1; pass0 += kPassKeys) {
-    if (pass0 + kPassKeys < c1) load_pass<HD>(p, table, kv_head, pass0 + kPassKeys, c1, nxt);
+    if (pass0 + kPassKeys < c1) load_pass<HD, ROPE>(p, table, kv_head, pass0 + kPassKeys, pass0 + kPassKeys, c1, nxt);
 
     // QK: partial dot over this thread's half of hd, then the pair's sum.
     float part[RB];
@@ -273,11 +350,11 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
 
 using KernelFn = void (*)(Params);
 
-template <int HD>
+template <int HD, bool ROPE>
 KernelFn pick_rows(int rows) {
-  if (rows <= 4) return decode_attention_kernel<HD, 4>;
-  if (rows <= 8) return decode_attention_kernel<HD, 8>;
-  return decode_attention_kernel<HD, 16>;
+  if (rows <= 4) return decode_attention_kernel<HD, 4, ROPE>;
+  if (rows <= 8) return decode_attention_kernel<HD, 8, ROPE>;
+  return decode_attention_kernel<HD, 16, ROPE>;
 }
 
 int num_sms() {
@@ -334,25 +411,87 @@ int decode_attention_splits(const PagedAttentionArgs& a) {
   return clamp_splits(splits);
 }
 
-cudaError_t decode_attention(const PagedAttentionArgs& a, cudaStream_t stream) {
-  if (decode_attention_check(a) != nullptr) return cudaErrorInvalidValue;
-  if (a.num_seqs == 0 || a.num_tokens == 0) return cudaSuccess;
+namespace {
+
+// The split count for a, or -1 when a split-KV launch lacks its counters or workspace.
+int checked_splits(const PagedAttentionArgs& a) {
   const int splits = decode_attention_splits(a);
-  if (splits > kMaxSplits) return cudaErrorInvalidValue;
+  if (splits > kMaxSplits) return -1;
   if (splits > 1 && (a.counters == nullptr || int64_t{a.num_seqs} * a.num_kv_heads > a.counter_slots ||
                      a.workspace == nullptr ||
                      decode_attention_workspace_bytes(a.num_tokens, a.num_heads, a.head_dim, splits) >
                          a.workspace_bytes)) {
-    return cudaErrorInvalidValue;
+    return -1;
   }
-  const Params p = make_params(a);
-  const int rows = a.max_query_len * (a.num_heads / a.num_kv_heads);
-  const dim3 grid(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(a.num_kv_heads),
-                  static_cast<unsigned>(splits));
-  if (rows > kCudaCoreMaxRows || a.force_tensor_cores) return decode_attention_mma(p, a.head_dim, rows, grid, stream);
-  KernelFn kernel = a.head_dim == 128 ? pick_rows<128>(rows) : pick_rows<64>(rows);
+  return splits;
+}
+
+// The CUDA-core kernel over the grid (num_seqs, nkv, splits).
+cudaError_t launch_cuda_cores(const Params& p, int head_dim, int rows, dim3 grid, bool rope, cudaStream_t stream) {
+  KernelFn kernel = head_dim == 128 ? (rope ? pick_rows<128, true>(rows) : pick_rows<128, false>(rows))
+                                    : (rope ? pick_rows<64, true>(rows) : pick_rows<64, false>(rows));
   const cudaError_t e = detail::launch(kernel, grid, dim3(kThreads), 0, stream, p);
   return e != cudaSuccess ? e : cudaGetLastError();
+}
+
+dim3 grid_of(const PagedAttentionArgs& a, int splits) {
+  return dim3(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(a.num_kv_heads), static_cast<unsigned>(splits));
+}
+
+}  // namespace
+
+cudaError_t decode_attention(const PagedAttentionArgs& a, cudaStream_t stream) {
+  if (decode_attention_check(a) != nullptr) return cudaErrorInvalidValue;
+  if (a.num_seqs == 0 || a.num_tokens == 0) return cudaSuccess;
+  const int splits = checked_splits(a);
+  if (splits < 0) return cudaErrorInvalidValue;
+  const Params p = make_params(a);
+  const int rows = a.max_query_len * (a.num_heads / a.num_kv_heads);
+  if (rows > kCudaCoreMaxRows || a.force_tensor_cores) {
+    return decode_attention_mma(p, a.head_dim, rows, grid_of(a, splits), stream);
+  }
+  return launch_cuda_cores(p, a.head_dim, rows, grid_of(a, splits), false, stream);
+}
+
+const char* decode_attention_rope_check(const PagedAttentionArgs& a, const DecodeRopeArgs& r) {
+  if (r.qkv == nullptr || r.positions == nullptr || r.inv_freq == nullptr || r.slots == nullptr) {
+    return "qkv, positions, inv_freq and slots are required";
+  }
+  PagedAttentionArgs without_q = a;
+  without_q.q = nullptr;  // unused: the queries come from qkv
+  if (const char* why = decode_attention_check(without_q)) return why;
+  if (int64_t{a.max_query_len} * (a.num_heads / a.num_kv_heads) > kCudaCoreMaxRows || a.force_tensor_cores) {
+    return "more than 16 rows per (sequence, KV head): the fused RoPE runs on the CUDA-core kernel only";
+  }
+  // rope_common.cuh's lane layout with head_dim / 64 pairs per lane, which qkv_norm_rope_write
+  // also picks for such pointers (so the same bits).
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(r.qkv) | reinterpret_cast<uintptr_t>(r.q_norm) |
+                         reinterpret_cast<uintptr_t>(r.k_norm);
+  if (detail::rope_pairs_per_lane(a.head_dim, bits) != a.head_dim / 64) {
+    return "qkv, q_norm and k_norm must allow head_dim / 32-byte accesses";
+  }
+  return nullptr;
+}
+
+cudaError_t decode_attention_rope(const PagedAttentionArgs& a, const DecodeRopeArgs& r, cudaStream_t stream) {
+  if (decode_attention_rope_check(a, r) != nullptr) return cudaErrorInvalidValue;
+  if (a.num_seqs == 0 || a.num_tokens == 0) return cudaSuccess;
+  const int splits = checked_splits(a);
+  if (splits < 0) return cudaErrorInvalidValue;
+  Params p = make_params(a);
+  p.q = nullptr;
+  p.qkv = r.qkv;
+  p.q_norm = r.q_norm;
+  p.k_norm = r.k_norm;
+  p.eps = r.eps;
+  p.positions = r.positions;
+  p.inv_freq = r.inv_freq;
+  p.slots = r.slots;
+  // The prologue writes the new keys into the pools that the kernel then reads.
+  p.k_write = const_cast<__nv_bfloat16*>(p.k_pool);
+  p.v_write = const_cast<__nv_bfloat16*>(p.v_pool);
+  const int rows = a.max_query_len * (a.num_heads / a.num_kv_heads);
+  return launch_cuda_cores(p, a.head_dim, rows, grid_of(a, splits), true, stream);
 }
 
 }  // namespace cuda

@@ -270,6 +270,26 @@ size_t decode_attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, i
 int decode_attention_splits(const PagedAttentionArgs& args);
 cudaError_t decode_attention(const PagedAttentionArgs& args, cudaStream_t stream);
 
+// decode_attention with qkv_norm_rope_write fused into it (the CUDA-core kernel only: at most 16
+// rows per (sequence, KV head); head_dim 64 or 128): args.q is unused; the queries are built from
+// qkv [T, (nh + 2 nkv) hd] (per-head RMSNorm with q_norm when set, RoPE at positions[T]), and the
+// K (k_norm, RoPE) and V of every token go into args' pools at slots[T] (negative: not written)
+// before its key is read. Token t must be the key at position kv_len - num_q + i of its sequence
+// (i its index among the sequence's queries), the ragged layout's invariant. The queries, the
+// pools and the output have the bits of qkv_norm_rope_write followed by decode_attention.
+struct DecodeRopeArgs {
+  const __nv_bfloat16* qkv = nullptr;     // [T, (nh + 2 nkv) hd]
+  const __nv_bfloat16* q_norm = nullptr;  // [hd] or null (no per-head norm)
+  const __nv_bfloat16* k_norm = nullptr;  // [hd] or null
+  float eps = 0.0f;
+  const int32_t* positions = nullptr;  // [T]
+  const float* inv_freq = nullptr;     // [hd / 2]
+  const int32_t* slots = nullptr;      // [T] pool rows (block * block_size + offset)
+};
+// nullptr when supported, else why not.
+const char* decode_attention_rope_check(const PagedAttentionArgs& args, const DecodeRopeArgs& rope);
+cudaError_t decode_attention_rope(const PagedAttentionArgs& args, const DecodeRopeArgs& rope, cudaStream_t stream);
+
 // ---------------------------------------------------------------------------------------------
 // DFlash2's FP8 candidate head (backend.h, Fp8Weight; host reference backend/cpu/host_fp8.h): an
 // e4m3 copy of the LM head with one fp32 scale per row picks the candidates, the exact head

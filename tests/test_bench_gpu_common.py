@@ -39,6 +39,18 @@ def test_qwen3_bench_arguments():
         b.parse_args(["--contexts", "4096"])
 
 
+def test_result_header_records_kernel_switches(monkeypatch):
+    g = _bench_module("gpu_common")
+    monkeypatch.setenv("DFLASH_ROPE_ATTENTION", "1")
+    monkeypatch.setenv("DFLASH_GEMM", "stream")
+    monkeypatch.delenv("DFLASH_PDL", raising=False)
+    rec = g.run_record("test")
+    assert rec["kernel_switches"]["DFLASH_ROPE_ATTENTION"] == "1"
+    assert rec["kernel_switches"]["DFLASH_GEMM"] == "stream"
+    assert "DFLASH_PDL" not in rec["kernel_switches"]
+    assert all(k.startswith("DFLASH_") for k in rec["kernel_switches"])
+
+
 def test_headline_is_merged_not_replaced(tmp_path):
     g = _bench_module("gpu_common")
     (tmp_path / "headline.json").write_text(json.dumps({"smollm2_ar_speedup_vs_hf": 14.5, "date": "old"}))

@@ -145,6 +145,18 @@ class Backend {
   // out[T, nh * hd] = softmax(q k^T / sqrt(hd)) v over the paged keys of each sequence.
   virtual void paged_attention(const Tensor& q, const KVPool& pool, int64_t layer,
                                const AttentionMeta& meta, Tensor& out) = 0;
+  // qkv_norm_rope_write into pool layer `layer`, then paged_attention of that layer over q with
+  // meta (q, k, v are the scratch of this unfused form): a backend may fuse the two (CUDA: the
+  // decode kernel's prologue, KernelOptions::rope_attention). Token t of qkv must be the key at
+  // position kv_len - num_q + i of its sequence (i its index among the sequence's queries), as
+  // in every ragged batch.
+  virtual void rope_write_attention(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, float eps,
+                                    const Tensor& positions, const Tensor& inv_freq, const Tensor& slots,
+                                    KVPool& pool, int64_t layer, const AttentionMeta& meta, Tensor& q, Tensor& k,
+                                    Tensor& v, Tensor& out) {
+    qkv_norm_rope_write(qkv, q_norm, k_norm, eps, positions, inv_freq, slots, q, k, v, pool, layer);
+    paged_attention(q, pool, layer, meta, out);
+  }
   // dst[T, col:col + C] = src[T, C]   (dst is [T, W], row-major)
   virtual void copy_columns(const Tensor& src, Tensor& dst, int64_t col) = 0;
   // out[R, H] = x[rows[R], :]

@@ -492,6 +492,46 @@ int cuda_decode_attention(const Any& q, const Any& k_pool, const Any& v_pool, co
   return splits;
 }
 
+// The CUDA decode attention with the QKV norm / RoPE / K/V write fused in (cuda::decode_attention_rope):
+// qkv [T, (nh + 2 nkv) hd], q_norm / k_norm [hd] or None, positions and slots [T] int32,
+// inv_freq [hd/2] fp32; the pools get the new K/V, out [T, nh, hd] the attention (out also gives
+// nh). The other arguments as cuda_decode_attention. Returns the split count launched.
+int cuda_decode_attention_rope(const Any& qkv, const std::optional<Any>& q_norm, const std::optional<Any>& k_norm,
+                               float eps, const I32& positions, const F32& inv_freq, const I32& slots,
+                               const Any& k_pool, const Any& v_pool, const Any& out, const I32& query_start,
+                               const I32& kv_len, const I32& block_table, bool causal, int32_t window,
+                               int32_t max_query_len, int32_t max_kv_len, std::optional<Any> workspace,
+                               std::optional<I32> counters, int32_t force_splits, bool symmetric_window) {
+  PagedAttentionArgs a = paged_attention_args(out, k_pool, v_pool, out, query_start, kv_len, block_table, causal,
+                                              window, symmetric_window, max_query_len, max_kv_len, workspace,
+                                              force_splits);
+  a.q = nullptr;
+  if (counters) {
+    a.counters = counters->data();
+    a.counter_slots = static_cast<int64_t>(counters->size());
+  }
+  const int64_t t = a.num_tokens, hd = a.head_dim;
+  DFLASH_ARG_CHECK(numel(qkv) == t * (a.num_heads + 2 * a.num_kv_heads) * hd &&
+                       static_cast<int64_t>(positions.size()) == t && static_cast<int64_t>(slots.size()) == t &&
+                       static_cast<int64_t>(inv_freq.size()) * 2 == hd,
+                   "decode_attention_rope: qkv [T, (nh + 2 nkv) hd], positions and slots [T], inv_freq [hd/2]");
+  cuda::DecodeRopeArgs r;
+  r.qkv = bf16(qkv, "qkv");
+  r.q_norm = bf16(q_norm, "q_norm");
+  r.k_norm = bf16(k_norm, "k_norm");
+  r.eps = eps;
+  r.positions = positions.data();
+  r.inv_freq = inv_freq.data();
+  r.slots = slots.data();
+  const char* why = cuda::decode_attention_rope_check(a, r);
+  DFLASH_ARG_CHECK(why == nullptr, "decode_attention_rope: ", why ? why : "");
+  DFLASH_ARG_CHECK(force_splits >= 0 && force_splits <= cuda::decode_attention_max_splits(),
+                   "decode_attention_rope: force_splits out of range");
+  const int splits = cuda::decode_attention_splits(a);
+  run("decode_attention_rope", std::nullopt, cuda::decode_attention_rope(a, r, nullptr));
+  return splits;
+}
+
 // The exact top-K of cuda/topk_candidates.cu: logits [R, V] fp32 (a contiguous view may start at
 // any element), ids [R, k] int32, unary [R, k] fp32; workspace (any dtype) of at least
 // cuda_topk_workspace_bytes(R, V, k) bytes, counters int32 [R] (zero; left zero). None passes a
@@ -533,6 +573,10 @@ void bind_cuda_testing(nb::module_& m) {
         "kv_len"_a, "block_table"_a, "causal"_a, "window"_a, "max_query_len"_a, "max_kv_len"_a,
         "workspace"_a = nb::none(), "counters"_a = nb::none(), "force_splits"_a = 0, "stream"_a = nb::none(),
         "symmetric_window"_a = false, "tensor_cores"_a = false);
+  m.def("cuda_decode_attention_rope", &cuda_decode_attention_rope, "qkv"_a, "q_norm"_a.none(), "k_norm"_a.none(),
+        "eps"_a, "positions"_a, "inv_freq"_a, "slots"_a, "k_pool"_a, "v_pool"_a, "out"_a, "query_start"_a, "kv_len"_a,
+        "block_table"_a, "causal"_a, "window"_a, "max_query_len"_a, "max_kv_len"_a, "workspace"_a = nb::none(),
+        "counters"_a = nb::none(), "force_splits"_a = 0, "symmetric_window"_a = false);
   m.def("cuda_decode_attention_workspace_bytes",
         [](int64_t num_tokens, int64_t num_heads, int64_t head_dim, int splits) {
           return cuda::decode_attention_workspace_bytes(num_tokens, num_heads, head_dim, splits);

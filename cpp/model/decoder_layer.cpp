@@ -95,8 +95,8 @@ void decoder_layer_forward(Backend& b, const LayerWeights& w, const LayerGeometr
   b.prefetch_weight(w.qkv, kPrefetchBehindNorm, LayerLinear::kQkv);
   b.rms_norm_linear(residual, w.input_norm, g.eps, w.qkv, s.qkv, s.normed);
   b.prefetch_weight(w.o, static_cast<int64_t>(w.o.nbytes()), LayerLinear::kO);
-  b.qkv_norm_rope_write(s.qkv, w.q_norm, w.k_norm, g.eps, positions, inv_freq, slots, s.q, s.k, s.v, pool, layer);
-  b.paged_attention(s.q, pool, layer, meta, s.attn);
+  b.rope_write_attention(s.qkv, w.q_norm, w.k_norm, g.eps, positions, inv_freq, slots, pool, layer, meta, s.q, s.k,
+                         s.v, s.attn);
   b.linear_add(s.attn.reshape({t, g.num_heads * g.head_dim}), w.o, residual, s.proj);
   b.prefetch_weight(w.gate_up, kPrefetchBehindNorm, LayerLinear::kGateUp);
   b.rms_norm_linear(residual, w.post_norm, g.eps, w.gate_up, s.gate_up, s.normed);

@@ -26,6 +26,7 @@ KernelOptions kernel_options_with_environment(KernelOptions options) {
   override_switch("DFLASH_FUSED", &options.fused_layers);
   override_string("DFLASH_ATTENTION", &options.attention);
   override_string("DFLASH_L2_PREFETCH", &options.l2_prefetch);
+  override_switch("DFLASH_ROPE_ATTENTION", &options.rope_attention);
   override_switch("DFLASH_PDL", &options.programmatic_launch);
   override_string("DFLASH_CPU_GEMM", &options.cpu_gemm);
   override_string("DFLASH_CUBLASLT_PATH", &options.cublaslt_path);

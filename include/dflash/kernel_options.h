@@ -1,8 +1,8 @@
 // dflash::KernelOptions: which kernels a session's backend uses, for A/B timing and debugging.
 // Outputs stay within each backend's numerics whatever is chosen. The environment variables
-// DFLASH_GEMM, DFLASH_FUSED, DFLASH_ATTENTION, DFLASH_L2_PREFETCH, DFLASH_PDL, DFLASH_CPU_GEMM,
-// DFLASH_CUBLASLT_PATH and DFLASH_BATCH_INVARIANT, when set, override these fields once, when a
-// session opens.
+// DFLASH_GEMM, DFLASH_FUSED, DFLASH_ATTENTION, DFLASH_L2_PREFETCH, DFLASH_ROPE_ATTENTION,
+// DFLASH_PDL, DFLASH_CPU_GEMM, DFLASH_CUBLASLT_PATH and DFLASH_BATCH_INVARIANT, when set, override
+// these fields once, when a session opens.
 #pragma once
 
 #include <string>
@@ -28,6 +28,11 @@ struct KernelOptions {
   // prefetched whole during its attention, the others only a prefix the size of the gap before
   // them (decoder_layer.cpp); weights under 8 MiB never. Results do not change.
   std::string l2_prefetch = "off";
+  // CUDA: the QKV split, per-head norm, RoPE and K/V write folded into the decode attention
+  // kernel's prologue (one launch fewer per layer) where the CUDA-core decode kernel runs (the AR
+  // step at batch <= 2 under attention "auto"); elsewhere, and with false, the separate RoPE kernel.
+  // Results do not change (same bits). Off by default until measured in the step on the H200.
+  bool rope_attention = false;
   // CUDA: programmatic dependent launch. Process-wide: the last CUDA session opened sets it.
   bool programmatic_launch = true;
   // CPU GEMMs: "auto" (every GEMM on the AVX-512 skinny kernel where the CPU has AVX-512; else 2..16

@@ -79,6 +79,7 @@ CudaBackend::CudaBackend(int device, size_t scratch_bytes, const KernelOptions& 
                    "kernels.attention (DFLASH_ATTENTION) must be auto, triton or tensor_cores, got '",
                    kernels.attention, "'");
   cuda_decode_attention_ = kernels.attention != "triton";
+  rope_attention_ = kernels.rope_attention;
   attention_tensor_cores_ = kernels.attention == "tensor_cores";
   l2_prefetch_mask_ = l2_prefetch_mask_of(kernels.l2_prefetch);
   cuda_driver::set_pdl_enabled(kernels.programmatic_launch);
@@ -391,8 +392,8 @@ void CudaBackend::kv_write(KVPool& pool, int64_t layer, const Tensor& k, const T
                                    bf(pool.v) + layer * layer_elems, stream_));
 }
 
-void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t layer, const AttentionMeta& meta,
-                                  Tensor& out) {
+PagedAttentionArgs CudaBackend::attention_args(const Tensor& q, const KVPool& pool, int64_t layer,
+                                               const AttentionMeta& meta, Tensor& out) const {
   const int64_t row = pool.num_kv_heads * pool.head_dim;
   const int64_t layer_elems = pool.num_blocks * pool.block_size * row;
   PagedAttentionArgs a{};
@@ -422,16 +423,27 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
   a.workspace_bytes = attention_workspace_bytes_;
   a.counters = attention_counters_;  // the CUDA decode kernel's split-KV counters
   a.counter_slots = kAttentionCounterSlots;
+  return a;
+}
+
+bool CudaBackend::cuda_core_attention(const AttentionMeta& meta, int64_t num_heads, const KVPool& pool) const {
+  const int64_t pairs = int64_t{meta.num_seqs} * pool.num_kv_heads;
+  const int64_t rows = int64_t{meta.max_query_len} * (num_heads / pool.num_kv_heads);
+  return !batch_invariant_ && cuda_decode_attention_ && !attention_tensor_cores_ && rows <= kCudaCoreRows &&
+         pairs <= kCudaDecodeMaxPairs;
+}
+
+void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t layer, const AttentionMeta& meta,
+                                  Tensor& out) {
+  PagedAttentionArgs a = attention_args(q, pool, layer, meta, out);
   if (batch_invariant_) {
     // One kernel for every query count (a row's keys in the same BLOCK_N tiles from key 0, no
     // split-KV): decode, verify and prefill rows of a position get the same bits.
     a.force_variant = PagedAttentionVariant::kPrefill;
   } else if (cuda_decode_attention_) {
     // few rows per (sequence, KV head): the CUDA decode kernels where routed (cuda_backend.h)
-    const int64_t pairs = int64_t{meta.num_seqs} * pool.num_kv_heads;
-    const int64_t rows = int64_t{meta.max_query_len} * (q.dim(1) / pool.num_kv_heads);
     a.force_tensor_cores = attention_tensor_cores_;
-    const bool routed = attention_tensor_cores_ || (rows <= kCudaCoreRows && pairs <= kCudaDecodeMaxPairs);
+    const bool routed = attention_tensor_cores_ || cuda_core_attention(meta, q.dim(1), pool);
     if (routed && cuda::decode_attention_check(a) == nullptr) {
       DFLASH_CUDA_CHECK(cuda::decode_attention(a, stream_));
       return;
@@ -439,6 +451,34 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
   }
   CUresult r = triton_aot::paged_attention(*triton_, stream_, a);
   DFLASH_CHECK(r == CUDA_SUCCESS, "Triton paged attention failed (CUresult ", static_cast<int>(r), ")");
+}
+
+void CudaBackend::rope_write_attention(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, float eps,
+                                       const Tensor& positions, const Tensor& inv_freq, const Tensor& slots,
+                                       KVPool& pool, int64_t layer, const AttentionMeta& meta, Tensor& q, Tensor& k,
+                                       Tensor& v, Tensor& out) {
+  if (rope_attention_ && cuda_core_attention(meta, q.dim(1), pool)) {
+    const int64_t t = q.dim(0);
+    DFLASH_CHECK(qkv.numel() == t * (q.dim(1) + 2 * pool.num_kv_heads) * pool.head_dim && positions.numel() == t &&
+                     slots.numel() == t,
+                 "rope_write_attention: qkv ", shape_str(qkv.shape), " for q ", shape_str(q.shape), ", positions ",
+                 shape_str(positions.shape), ", slots ", shape_str(slots.shape));
+    check_bf16(qkv, "rope_write_attention qkv");
+    const PagedAttentionArgs a = attention_args(q, pool, layer, meta, out);
+    cuda::DecodeRopeArgs r;
+    r.qkv = bf(qkv);
+    r.q_norm = q_norm.empty() ? nullptr : bf(q_norm);
+    r.k_norm = k_norm.empty() ? nullptr : bf(k_norm);
+    r.eps = eps;
+    r.positions = i32(positions);
+    r.inv_freq = inv_freq.ptr<float>();
+    r.slots = i32(slots);
+    if (cuda::decode_attention_rope_check(a, r) == nullptr) {
+      DFLASH_CUDA_CHECK(cuda::decode_attention_rope(a, r, stream_));
+      return;
+    }
+  }
+  Backend::rope_write_attention(qkv, q_norm, k_norm, eps, positions, inv_freq, slots, pool, layer, meta, q, k, v, out);
 }
 
 void CudaBackend::copy_columns(const Tensor& src, Tensor& dst, int64_t col) {

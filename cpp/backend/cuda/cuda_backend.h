@@ -12,6 +12,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cublaslt_gemm.h"
+#include "cuda/paged_attention_args.h"
 
 namespace dflash::cuda {
 struct SkinnyFusion;
@@ -71,6 +72,10 @@ class CudaBackend final : public Backend {
   void kv_write(KVPool& pool, int64_t layer, const Tensor& k, const Tensor& v, const Tensor& slots) override;
   void paged_attention(const Tensor& q, const KVPool& pool, int64_t layer, const AttentionMeta& meta,
                        Tensor& out) override;
+  void rope_write_attention(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, float eps,
+                            const Tensor& positions, const Tensor& inv_freq, const Tensor& slots, KVPool& pool,
+                            int64_t layer, const AttentionMeta& meta, Tensor& q, Tensor& k, Tensor& v,
+                            Tensor& out) override;
   void copy_columns(const Tensor& src, Tensor& dst, int64_t col) override;
   void gather_rows(const Tensor& x, const Tensor& rows, Tensor& out) override;
   void sample(const Tensor& logits, const std::vector<SampleRow>& rows, int32_t* tokens_out) override;
@@ -127,6 +132,12 @@ class CudaBackend final : public Backend {
   bool try_fused(const Tensor& in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion, Tensor& out);
   // out[m, N] = x[m, K] @ w^T on the batch-invariant skinny shape, kBatchInvariantRows rows a launch.
   void invariant_linear(const Tensor& x, const Tensor& w, int64_t m, Tensor& out);
+  // The arguments of one attention call over pool layer `layer` (q gives the token and head counts).
+  PagedAttentionArgs attention_args(const Tensor& q, const KVPool& pool, int64_t layer, const AttentionMeta& meta,
+                                    Tensor& out) const;
+  // Whether an attention call of meta with num_heads query heads runs the CUDA-core decode kernel
+  // (the routing rule below: few rows and pairs, auto attention, not batch-invariant).
+  bool cuda_core_attention(const AttentionMeta& meta, int64_t num_heads, const KVPool& pool) const;
 
   int device_;
   cudaStream_t stream_ = nullptr;
@@ -153,6 +164,10 @@ class CudaBackend final : public Backend {
   // (bench/results/gpu_h200_attention_tensor_cores.json, 2026-12-04).
   bool cuda_decode_attention_ = true;
   bool attention_tensor_cores_ = false;
+  // KernelOptions::rope_attention: rope_write_attention runs the CUDA-core decode kernel with the
+  // QKV norm / RoPE / K/V write fused in (cuda::decode_attention_rope) where that kernel is routed
+  // (above) and supports the pointers; elsewhere the two unfused launches.
+  bool rope_attention_ = false;
   // KernelOptions::l2_prefetch: bit (1 << LayerLinear) set for the linear layers whose weight
   // hints (prefetch_weight) launch an L2 prefetch (cuda/l2_prefetch.cu) over num_sms_ CTAs at
   // most; weights under kMinPrefetchBytes are left alone (they load in a few microseconds).
