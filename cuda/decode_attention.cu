@@ -146,25 +146,26 @@ __device__ void rope_prologue(const Params& p, int q_begin, int group, int rows,
   for (int u = warp; u < units; u += num_warps) {
     if (u < rows) {
       const int tok = q_begin + u / group, head = kv_head * group + u % group;
-      detail::norm_rope_head<P>(p.qkv + (tok * heads + head) * HD, p.q_norm, p.eps,
-                                static_cast<float>(p.positions[tok]), p.inv_freq, HD, qb + u * HD);
+      detail::norm_rope_head<P>(p.rope.qkv + (tok * heads + head) * HD, p.rope.q_norm, p.rope.eps,
+                                static_cast<float>(p.rope.positions[tok]), p.rope.inv_freq, HD, qb + u * HD);
       continue;
     }
     const int e = u - rows, tok = q_begin + new0 + e / 2;
-    const int64_t slot = p.slots[tok];
+    const int64_t slot = p.rope.slots[tok];
     if (slot < 0) continue;  // uniform over the warp
     const int64_t dst = (slot * p.num_kv_heads + kv_head) * HD;
+    const __nv_bfloat16* k_src = p.rope.qkv + (tok * heads + p.num_heads + kv_head) * HD;
     if (e % 2 == 0) {
-      detail::norm_rope_head<P>(p.qkv + (tok * heads + p.num_heads + kv_head) * HD, p.k_norm, p.eps,
-                                static_cast<float>(p.positions[tok]), p.inv_freq, HD, p.k_write + dst);
+      detail::norm_rope_head<P>(k_src, p.rope.k_norm, p.rope.eps, static_cast<float>(p.rope.positions[tok]),
+                                p.rope.inv_freq, HD, p.k_write + dst);
     } else {
-      detail::copy_head<P>(p.qkv + (tok * heads + p.num_heads + p.num_kv_heads + kv_head) * HD, HD, p.v_write + dst);
+      detail::copy_head<P>(k_src + p.num_kv_heads * HD, HD, p.v_write + dst);  // V follows the K heads
     }
   }
 }
 
 // RB: row capacity (a multiple of 4, <= kCudaCoreMaxRows); the launch's rows = max_query_len * group <= RB.
-// ROPE: the fused prologue (decode_attention_rope; p.qkv etc. set, p.q unused).
+// ROPE: the fused prologue (decode_attention_rope; p.rope set, p.q unused).
 template <int HD, int RB, bool ROPE>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   constexpr int DL = HD / 32;           // head dims per lane in PV
@@ -480,13 +481,7 @@ cudaError_t decode_attention_rope(const PagedAttentionArgs& a, const DecodeRopeA
   if (splits < 0) return cudaErrorInvalidValue;
   Params p = make_params(a);
   p.q = nullptr;
-  p.qkv = r.qkv;
-  p.q_norm = r.q_norm;
-  p.k_norm = r.k_norm;
-  p.eps = r.eps;
-  p.positions = r.positions;
-  p.inv_freq = r.inv_freq;
-  p.slots = r.slots;
+  p.rope = r;
   // The prologue writes the new keys into the pools that the kernel then reads.
   p.k_write = const_cast<__nv_bfloat16*>(p.k_pool);
   p.v_write = const_cast<__nv_bfloat16*>(p.v_pool);

@@ -14,7 +14,7 @@
 #include <cmath>
 
 #include "cuda/common.cuh"
-#include "cuda/paged_attention_args.h"
+#include "cuda/kernels.h"  // DecodeRopeArgs, PagedAttentionArgs
 
 namespace dflash {
 namespace cuda {
@@ -38,16 +38,10 @@ struct Params {
   bool causal;
   bool symmetric;  // window > 0, not causal: |q_pos - j| < window
   float qk_scale;  // scale * log2(e)
-  // The fused prologue of decode_attention_rope (null qkv: q holds the queries, nothing is
-  // written). q is then unused; the CTAs build their rows' queries from qkv and write the new
+  // The fused prologue of decode_attention_rope (rope.qkv null: q holds the queries, nothing is
+  // written). q is then unused; the CTAs build their rows' queries from rope.qkv and write the new
   // tokens' K and V (their key range's, their KV head's) into k_write / v_write (the pools).
-  const __nv_bfloat16* qkv;
-  const __nv_bfloat16* q_norm;  // [hd] or null
-  const __nv_bfloat16* k_norm;  // [hd] or null
-  float eps;
-  const int32_t* positions;
-  const float* inv_freq;
-  const int32_t* slots;
+  DecodeRopeArgs rope;
   __nv_bfloat16* k_write;
   __nv_bfloat16* v_write;
 };
@@ -74,12 +68,7 @@ inline Params make_params(const PagedAttentionArgs& a) {
   p.causal = !p.symmetric && (a.causal || a.window > 0);
   const float scale = a.scale > 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(a.head_dim));
   p.qk_scale = scale * 1.4426950408889634f;
-  p.qkv = nullptr;
-  p.q_norm = p.k_norm = nullptr;
-  p.eps = 0.0f;
-  p.positions = nullptr;
-  p.inv_freq = nullptr;
-  p.slots = nullptr;
+  p.rope = DecodeRopeArgs{};
   p.k_write = p.v_write = nullptr;
   return p;
 }

@@ -13,14 +13,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import dflash
 import pytest
 
 from tests.gpu.gpu_helpers import DEV, bf16, kernel_ops, requires_cuda, torch
+from tests.gpu.session_runs import session_process, tiny_drafter
 
 pytestmark = requires_cuda
 
@@ -60,33 +58,8 @@ def test_prefetch_bad_arguments():
         K.cuda_l2_prefetch(w[1:], 1024, 4)  # not 16-byte aligned
 
 
-SCRIPT = r"""
-import json, sys
-import numpy as np
-import dflash
-target, draft = sys.argv[1], (sys.argv[2] or None)
-sess = dflash.Session(target, draft=draft, device="cuda", kv_cache_tokens=4096, max_num_seqs=4)
-rng = np.random.default_rng(5)
-prompts = [[int(x) for x in rng.integers(3, 352, size=int(rng.integers(5, 40)))] for _ in range(3)]
-outs = sess.generate(prompts, dflash.SamplingParams(max_tokens=20, ignore_eos=True))
-res = {"tokens": [o.token_ids for o in outs]}
-if draft is not None:
-    ids, logits = sess.propose(prompts[0])
-    res["logits"] = np.asarray(logits).ravel()[:4096].tolist()
-print(json.dumps(res))
-"""
-
-
 def _run(target, draft, prefetch):
-    env = dict(os.environ, DFLASH_L2_PREFETCH=prefetch)
-    return subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(target), str(draft or "")],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return session_process(target, draft, {"DFLASH_L2_PREFETCH": prefetch})
 
 
 @pytest.fixture(scope="module")
@@ -110,18 +83,7 @@ def prefetchable_model(tmp_path_factory):
 
 @pytest.mark.parametrize("spec", [False, True])
 def test_session_with_prefetch_is_bit_identical(spec, prefetchable_model, tmp_path):
-    draft = None
-    if spec:
-        from dflash.drafter_format import write_dflash_drafter
-
-        cfg = json.loads((prefetchable_model / "config.json").read_text())
-        draft = write_dflash_drafter(
-            tmp_path / "d",
-            target_config=cfg,
-            num_layers=2,
-            target_layer_ids=[0, 1],
-            block_size=8,
-        )
+    draft = tiny_drafter(tmp_path / "d", prefetchable_model) if spec else None
     runs = {}
     for mode in ("off", "all", "o,down"):
         p = _run(prefetchable_model, draft, mode)

@@ -15,61 +15,24 @@
 # AR and DFlash decoding, graphs on, a few prompts. Skipped without a usable Hopper GPU.
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from dflash import _core
 
+from .session_runs import run_session, tiny_drafter
+
 pytestmark = pytest.mark.skipif(not _core.cuda_usable(), reason="needs the CUDA backend and a Hopper GPU")
 
-SCRIPT = r"""
-import json, sys
-import numpy as np
-import dflash
-from dflash import _core
-target, draft = sys.argv[1], (sys.argv[2] or None)
-sess = dflash.Session(target, draft=draft, device="cuda", kv_cache_tokens=8192, max_num_seqs=8)
-rng = np.random.default_rng(3)
-prompts = [[int(x) for x in rng.integers(3, 352, size=int(rng.integers(5, 30)))] for _ in range(5)]
-outs = sess.generate(prompts, dflash.SamplingParams(max_tokens=24, ignore_eos=True))
-res = {"tokens": [o.token_ids for o in outs]}
-if draft is not None:
-    ids, logits = sess.propose(prompts[0])
-    res["logits"] = np.asarray(logits).ravel()[:4096].tolist()
-else:
-    req = _core.RequestInput()
-    req.prompt = prompts[0]
-    req.record_logits = True
-    sc = _core.SamplingConfig()
-    sc.max_tokens, sc.ignore_eos = 4, True
-    req.sampling = sc
-    rid = sess._core.add_request(req)
-    while sess._core.has_unfinished():
-        sess._core.step()
-    vocab = sess._core.model_config.vocab_size
-    res["logits"] = np.asarray(sess._core.take_result(rid).logits(vocab)).ravel()[:4096].tolist()
-print(json.dumps(res))
-"""
+SESSION = {"kv_cache_tokens": 8192, "max_num_seqs": 8, "seed": 3, "prompts": 5, "max_prompt": 30, "max_tokens": 24}
 
 
 def _run(target, draft, **env):
-    e = dict(os.environ, **env)
-    p = subprocess.run([sys.executable, "-c", SCRIPT, str(target), str(draft or "")], env=e, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_session(target, draft, env, **SESSION)
 
 
 def _drafter(tmp_path, target):
-    from dflash.drafter_format import write_dflash_drafter
-
-    cfg = json.loads((target / "config.json").read_text())
-    return write_dflash_drafter(tmp_path / "d", target_config=cfg, num_layers=2, target_layer_ids=[0, 1], block_size=8)
+    return tiny_drafter(tmp_path / "d", target)
 
 
 CASES = pytest.mark.parametrize("name,spec", [(n, s) for n in ("llama_hd64", "qwen3_hd128") for s in (False, True)])
