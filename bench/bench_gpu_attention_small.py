@@ -8,7 +8,14 @@ length 1 (AR) and 16 (verify), context 512/4096, side by side in one run:
           the splits): up to 16 rows per KV head (query length 1) on CUDA cores
           (cuda/decode_attention.cu), 17..64 rows (query length 16) on tensor cores
           (cuda/decode_attention_mma.cu); its own split count and one split;
-  cuda_tc the tensor-core kernel forced at query length 1 too (tensor_cores=True).
+  cuda_tc the tensor-core kernel forced at query length 1 too (tensor_cores=True);
+  rope_pair  what the AR step runs before and in attention with DFLASH_ROPE_ATTENTION off: the
+          QKV norm / RoPE / K/V write kernel, then the CUDA decode attention (two launches);
+  cuda_rope  the same work fused into the decode kernel (cuda::decode_attention_rope, one launch;
+          what DFLASH_ROPE_ATTENTION=1 runs). Query length 1, Qwen3 q/k norms on.
+--geometry smollm2 times SmolLM2-135M's heads (9 query / 3 KV, head_dim 64) instead; --impls,
+--batches, --qlens and --contexts narrow the run; --splits adds forced split counts for the CUDA
+kernels (default 1).
 The automatic split counts are taken with max_kv_len as a captured graph sees it (max_model_len
 4096 + 16) and exact.
 Two timings per case: CUPTI kernel durations (torch.profiler; launch latency excluded, and with
@@ -18,7 +25,8 @@ and `graph_us_per_call`, the wall time of one call in a CUDA graph of 20 back-to
 (device events, median of 5 replays): what a step pays.
 
 Usage (GPU machine, dflash installed): python bench/bench_gpu_attention_small.py --out DIR
-Writes DIR/gpu_h200_attention_small.json.
+Writes DIR/gpu_h200_attention_small.json (DIR/gpu_h200_attention_small_smollm2.json with
+--geometry smollm2).
 """
 
 from __future__ import annotations
@@ -30,10 +38,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import cuda_kernel_totals, graph_time, run_record, write_json  # noqa: E402
 
-NH, NKV, HD, BS = 32, 8, 128, 16
+GEOMETRIES = {"qwen3_8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # query heads, KV heads, head_dim
+BS = 16
+IMPLS = ("triton", "cuda", "cuda_tc", "rope_pair", "cuda_rope")
+ROPE_IMPLS = ("rope_pair", "cuda_rope")
 
 
-def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps):
+def rope_inputs(torch, batch, qlen, ctx, bt, nh, nkv, hd):
+    """The raw QKV rows of the batch's new tokens (the last qlen positions of each sequence), their
+    positions and pool slots, the RoPE frequencies and q/k norm weights."""
+    t = batch * qlen
+    qkv = torch.randn(t, (nh + 2 * nkv) * hd, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(ctx - qlen, ctx, device="cuda", dtype=torch.int32).repeat(batch)
+    seq = torch.arange(batch, device="cuda").repeat_interleave(qlen)
+    slots = (bt[seq, (pos // BS).long()] * BS + pos % BS).to(torch.int32)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, device="cuda", dtype=torch.float32) / hd))
+    norm = torch.ones(hd, device="cuda", dtype=torch.bfloat16)
+    return qkv, pos, slots, inv_freq, norm
+
+
+def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps, geometry=GEOMETRIES["qwen3_8b"]):
+    NH, NKV, HD = geometry
     blocks_per_seq = (ctx + BS - 1) // BS
     nblocks = batch * blocks_per_seq
     kp = torch.randn(nblocks, BS, NKV, HD, device="cuda", dtype=torch.bfloat16)
@@ -51,6 +76,19 @@ def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps):
         def call_on(stream):
             return testing.triton_paged_attention(q, kp, vp, o, qs, kl, bt, True, 0, qlen, max_kv_len, ws, 2, splits,
                                                   stream, synchronize=False)[1]
+    elif impl in ROPE_IMPLS:
+        counters = torch.zeros(batch * NKV, device="cuda", dtype=torch.int32)
+        qkv, pos, slots, inv_freq, norm = rope_inputs(torch, batch, qlen, ctx, bt, NH, NKV, HD)
+
+        def call_on(stream):
+            if impl == "cuda_rope":
+                return testing.cuda_decode_attention_rope(qkv, norm, norm, 1e-6, pos, inv_freq, slots, kp, vp, o, qs,
+                                                          kl, bt, True, 0, qlen, max_kv_len, workspace=ws,
+                                                          counters=counters, force_splits=splits, stream=stream)
+            testing.cuda_qkv_norm_rope_write(qkv, norm, norm, 1e-6, pos, inv_freq, slots, NH, NKV, HD, q, kp, vp,
+                                             stream=stream)
+            return testing.cuda_decode_attention(q, kp, vp, o, qs, kl, bt, True, 0, qlen, max_kv_len, workspace=ws,
+                                                 counters=counters, force_splits=splits, stream=stream)
     else:
         counters = torch.zeros(batch * NKV, device="cuda", dtype=torch.int32)
 
@@ -83,32 +121,65 @@ def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps):
             "graph_us_per_call": round(graph_time(calls, trials=5, replays=1) * 1e6 / len(calls), 2)}
 
 
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="qwen3_8b")
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {','.join(IMPLS)}")
+    ap.add_argument("--batches", type=_ints, default=[1, 4, 16, 64])
+    ap.add_argument("--qlens", type=_ints, default=[1, 16])
+    ap.add_argument("--contexts", type=_ints, default=[512, 4096])
+    ap.add_argument("--splits", type=_ints, default=[1], help="forced split counts of the CUDA kernels (default 1)")
+    args = ap.parse_args(argv)
+    args.impls = [x for x in args.impls.split(",") if x]
+    bad = sorted(set(args.impls) - set(IMPLS))
+    if bad:
+        ap.error(f"unknown --impls {bad}; choose from {list(IMPLS)}")
+    return args
+
+
+def plan(args):
+    """The (impl, batch, qlen, ctx, forced splits, max_kv_len) cases of a run, in order: per
+    point every implementation with its own split count (from the exact max_kv_len and from a
+    captured graph's 4096 + 16) and the forced ones (Triton: 1 and 8). The tensor-core and RoPE
+    variants are timed at query length 1 only (the verify rows go to tensor cores anyway)."""
+    out = []
+    for batch in args.batches:
+        for qlen in args.qlens:
+            for ctx in args.contexts:
+                for impl in args.impls:
+                    if qlen != 1 and impl in ("cuda_tc",) + ROPE_IMPLS:
+                        continue
+                    forced = (1, 8) if impl == "triton" else tuple(args.splits)
+                    for splits in (0,) + forced:  # 0: the implementation's own choice from max_kv_len
+                        for max_kv in ((ctx, 4096 + 16) if splits == 0 else (ctx,)):
+                            out.append((impl, batch, qlen, ctx, splits, max_kv))
+    return out
+
+
 def main():
     import torch
     from dflash._core import testing
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
+    args = parse_args()
     res = run_record("gpu_attention_small")
-    res["geometry"] = {"num_heads": NH, "num_kv_heads": NKV, "head_dim": HD, "block_size": BS}
+    nh, nkv, hd = GEOMETRIES[args.geometry]
+    res["geometry"] = {"name": args.geometry, "num_heads": nh, "num_kv_heads": nkv, "head_dim": hd, "block_size": BS}
     res["cases"] = []
-    out = Path(args.out) / "gpu_h200_attention_small.json"
-    for batch in (1, 4, 16, 64):
-        for qlen in (1, 16):
-            for ctx in (512, 4096):
-                for impl in ("triton", "cuda", "cuda_tc") if qlen == 1 else ("triton", "cuda"):
-                    forced = (1,) if impl != "triton" else (1, 8)
-                    for splits in (0,) + forced:  # 0: the implementation's own choice from max_kv_len
-                        for max_kv in ((ctx, 4096 + 16) if splits == 0 else (ctx,)):
-                            r = case(testing, torch, impl, batch, qlen, ctx, splits, max_kv, args.reps)
-                            res["cases"].append(r)
-                            print(f"{impl} b={batch} q={qlen} ctx={ctx} splits={splits}->{r['splits']} "
-                                  f"max_kv={max_kv}: {r['us_per_call']} us, {r['launches_per_call']} launches "
-                                  f"({r['kv_gbs']} GB/s), graph {r['graph_us_per_call']} us", flush=True)
-                write_json(out, res)
-    write_json(out, res)
+    suffix = "" if args.geometry == "qwen3_8b" else f"_{args.geometry}"
+    out = Path(args.out) / f"gpu_h200_attention_small{suffix}.json"
+    for impl, batch, qlen, ctx, splits, max_kv in plan(args):
+        r = case(testing, torch, impl, batch, qlen, ctx, splits, max_kv, args.reps, geometry=(nh, nkv, hd))
+        res["cases"].append(r)
+        print(f"{impl} b={batch} q={qlen} ctx={ctx} splits={splits}->{r['splits']} "
+              f"max_kv={max_kv}: {r['us_per_call']} us, {r['launches_per_call']} launches "
+              f"({r['kv_gbs']} GB/s), graph {r['graph_us_per_call']} us", flush=True)
+        write_json(out, res)
     print(f"wrote {out}")
 
 

@@ -133,3 +133,21 @@ def test_ab_summary_medians_and_ratios():
     assert s["median_ms"] == {"a": {"ar_b1_ctx512": 5.2, "spec_b1_ctx512": 7.2}, "b": {"ar_b1_ctx512": 4.2}}
     assert s["ratio_to_first"] == {"a": {"ar_b1_ctx512": 1.0, "spec_b1_ctx512": 1.0},
                                    "b": {"ar_b1_ctx512": round(4.2 / 5.2, 4)}}
+
+
+def test_attention_bench_plan():
+    b = _bench_module("bench_gpu_attention_small")
+    cases = b.plan(b.parse_args([]))
+    impls = {c[0] for c in cases}
+    assert impls == set(b.IMPLS)
+    assert all(c[2] == 1 for c in cases if c[0] in ("cuda_tc", "cuda_rope", "rope_pair"))
+    # every implementation's own split count twice (exact max_kv_len, a graph's 4096 + 16), then the forced ones
+    point = [c for c in cases if c[1:4] == (1, 1, 512)]
+    assert [(c[0], c[4], c[5]) for c in point if c[0] == "cuda_rope"] == [
+        ("cuda_rope", 0, 512), ("cuda_rope", 0, 4112), ("cuda_rope", 1, 512)]
+    narrow = b.plan(b.parse_args(["--impls", "cuda,cuda_rope", "--batches", "1", "--qlens", "1", "--contexts", "512",
+                                  "--splits", "2,4"]))
+    assert [(c[0], c[4]) for c in narrow] == [("cuda", 0), ("cuda", 0), ("cuda", 2), ("cuda", 4),
+                                              ("cuda_rope", 0), ("cuda_rope", 0), ("cuda_rope", 2), ("cuda_rope", 4)]
+    with pytest.raises(SystemExit):
+        b.parse_args(["--impls", "cuda,nope"])

@@ -147,10 +147,11 @@ void cuda_qkv_norm_rope(const Any& qkv, const std::optional<Any>& q_norm,
                              bf16(v, "v"), nullptr));
 }
 
+// stream: launch there and return (benchmarks, graph capture); None: default stream, synchronised.
 void cuda_qkv_norm_rope_write(const Any& qkv, const std::optional<Any>& q_norm, const std::optional<Any>& k_norm,
                               float eps, const I32& positions, const F32& inv_freq, const I32& slots,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const Any& q,
-                              const Any& k_pool, const Any& v_pool) {
+                              const Any& k_pool, const Any& v_pool, std::optional<uintptr_t> stream) {
   const int64_t t = static_cast<int64_t>(positions.size());
   DFLASH_ARG_CHECK(numel(qkv) == t * (num_heads + 2 * num_kv_heads) * head_dim &&
                        static_cast<int64_t>(inv_freq.size()) * 2 == head_dim &&
@@ -159,11 +160,10 @@ void cuda_qkv_norm_rope_write(const Any& qkv, const std::optional<Any>& q_norm, 
                    "qkv_norm_rope_write: qkv [T, (nh + 2 nkv) hd], positions, slots [T], inv_freq [hd/2], "
                    "q [T, nh, hd], pools [S, nkv hd]");
   use_device(qkv.device_id());
-  finish("qkv_norm_rope_write",
-         cuda::qkv_norm_rope_write(bf16(qkv, "qkv"), bf16(q_norm, "q_norm"), bf16(k_norm, "k_norm"), eps,
-                                   positions.data(), inv_freq.data(), slots.data(), t, num_heads, num_kv_heads,
-                                   head_dim, bf16(q, "q"), bf16(k_pool, "k_pool"),
-                                   bf16(v_pool, "v_pool"), nullptr));
+  run("qkv_norm_rope_write", stream,
+      cuda::qkv_norm_rope_write(bf16(qkv, "qkv"), bf16(q_norm, "q_norm"), bf16(k_norm, "k_norm"), eps,
+                                positions.data(), inv_freq.data(), slots.data(), t, num_heads, num_kv_heads, head_dim,
+                                bf16(q, "q"), bf16(k_pool, "k_pool"), bf16(v_pool, "v_pool"), as_stream(stream)));
 }
 
 void cuda_kv_write(const Any& k, const Any& v, const I32& slots, const Any& k_pool,
@@ -495,13 +495,14 @@ int cuda_decode_attention(const Any& q, const Any& k_pool, const Any& v_pool, co
 // The CUDA decode attention with the QKV norm / RoPE / K/V write fused in (cuda::decode_attention_rope):
 // qkv [T, (nh + 2 nkv) hd], q_norm / k_norm [hd] or None, positions and slots [T] int32,
 // inv_freq [hd/2] fp32; the pools get the new K/V, out [T, nh, hd] the attention (out also gives
-// nh). The other arguments as cuda_decode_attention. Returns the split count launched.
+// nh). The other arguments, stream included, as cuda_decode_attention. Returns the split count launched.
 int cuda_decode_attention_rope(const Any& qkv, const std::optional<Any>& q_norm, const std::optional<Any>& k_norm,
                                float eps, const I32& positions, const F32& inv_freq, const I32& slots,
                                const Any& k_pool, const Any& v_pool, const Any& out, const I32& query_start,
                                const I32& kv_len, const I32& block_table, bool causal, int32_t window,
                                int32_t max_query_len, int32_t max_kv_len, std::optional<Any> workspace,
-                               std::optional<I32> counters, int32_t force_splits, bool symmetric_window) {
+                               std::optional<I32> counters, int32_t force_splits, bool symmetric_window,
+                               std::optional<uintptr_t> stream) {
   PagedAttentionArgs a = paged_attention_args(out, k_pool, v_pool, out, query_start, kv_len, block_table, causal,
                                               window, symmetric_window, max_query_len, max_kv_len, workspace,
                                               force_splits);
@@ -528,7 +529,7 @@ int cuda_decode_attention_rope(const Any& qkv, const std::optional<Any>& q_norm,
   DFLASH_ARG_CHECK(force_splits >= 0 && force_splits <= cuda::decode_attention_max_splits(),
                    "decode_attention_rope: force_splits out of range");
   const int splits = cuda::decode_attention_splits(a);
-  run("decode_attention_rope", std::nullopt, cuda::decode_attention_rope(a, r, nullptr));
+  run("decode_attention_rope", stream, cuda::decode_attention_rope(a, r, as_stream(stream)));
   return splits;
 }
 
@@ -576,7 +577,7 @@ void bind_cuda_testing(nb::module_& m) {
   m.def("cuda_decode_attention_rope", &cuda_decode_attention_rope, "qkv"_a, "q_norm"_a.none(), "k_norm"_a.none(),
         "eps"_a, "positions"_a, "inv_freq"_a, "slots"_a, "k_pool"_a, "v_pool"_a, "out"_a, "query_start"_a, "kv_len"_a,
         "block_table"_a, "causal"_a, "window"_a, "max_query_len"_a, "max_kv_len"_a, "workspace"_a = nb::none(),
-        "counters"_a = nb::none(), "force_splits"_a = 0, "symmetric_window"_a = false);
+        "counters"_a = nb::none(), "force_splits"_a = 0, "symmetric_window"_a = false, "stream"_a = nb::none());
   m.def("cuda_decode_attention_workspace_bytes",
         [](int64_t num_tokens, int64_t num_heads, int64_t head_dim, int splits) {
           return cuda::decode_attention_workspace_bytes(num_tokens, num_heads, head_dim, splits);
@@ -591,7 +592,7 @@ void bind_cuda_testing(nb::module_& m) {
         "v_pool"_a);
   m.def("cuda_qkv_norm_rope_write", &cuda_qkv_norm_rope_write, "qkv"_a, "q_norm"_a.none(), "k_norm"_a.none(),
         "eps"_a, "positions"_a, "inv_freq"_a, "slots"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "q"_a,
-        "k_pool"_a, "v_pool"_a);
+        "k_pool"_a, "v_pool"_a, "stream"_a = nb::none());
   m.def("cuda_argmax_rows", &cuda_argmax_rows, "logits"_a, "out"_a);
   m.def("cuda_nonfinite_rows", &cuda_nonfinite_rows, "logits"_a, "flags"_a);
   m.def("cuda_assemble_drafts", &cuda_assemble_drafts, "proposed"_a, "override_drafts"_a, "use_override"_a,
