@@ -19,6 +19,8 @@ GPU sits idle per step (launch latency + host work between graph replays). timel
 splits the profiled run's GPU idle time into the gaps between steps (host work, synchronisation,
 graph launch: what host/GPU overlap could hide) and the gaps between kernels inside a step's
 graph (what overlap cannot hide); under the profiler the between-step gaps are inflated.
+host_us_per_step splits the unprofiled steps' host time by the session's counters (host_split):
+staging, graph launch, waiting for the device, the results, and outside the decode step.
 
 Usage (GPU machine, dflash installed): python bench/profile_gpu_step.py --out DIR
            [--model DIR [--draft DIR] [--name NAME] | --smollm2-geometry]
@@ -64,6 +66,21 @@ def family(name: str) -> str:
     return "other"
 
 
+def host_split(before: dict, after: dict, wall_s: float, steps: int) -> dict[str, float]:
+    """Where the host's time of `steps` unprofiled steps went, microseconds per step, from the
+    session's counters before and after (Session.stats() keys): staging the inputs, queueing the
+    step (graph launch), waiting for the device, the rest of the decode step (the results: tokens,
+    stop checks, metrics) and everything outside it (scheduling, the Python loop). With graphs,
+    the GPU idles for all but the wait."""
+    d = {k: (after[k] - before[k]) * 1e6 / steps for k in ("decode_time_s", "host_stage_s", "host_launch_s",
+                                                            "host_wait_s")}
+    out = {"stage": d["host_stage_s"], "launch": d["host_launch_s"], "wait": d["host_wait_s"],
+           "results": d["decode_time_s"] - d["host_stage_s"] - d["host_launch_s"] - d["host_wait_s"],
+           "outside_decode": wall_s * 1e6 / steps - d["decode_time_s"]}
+    out["not_waiting"] = out["stage"] + out["launch"] + out["results"] + out["outside_decode"]
+    return {k: round(v, 2) for k, v in out.items()}
+
+
 def profile(sess, steps: int, warmup: int, vocab_size: int = 151936) -> dict:
     import torch
     from dflash import _core
@@ -78,11 +95,13 @@ def profile(sess, steps: int, warmup: int, vocab_size: int = 151936) -> dict:
         sess.step()
     torch.cuda.synchronize()
     walls = []
+    before = sess.stats().as_dict()
     for _ in range(5):  # the real step: no profiler, median of 5 runs of `steps` steps
         t0 = time.perf_counter()
         for _ in range(steps):
             sess.step()
         walls.append((time.perf_counter() - t0) / steps)
+    host = host_split(before, sess.stats().as_dict(), sum(walls), 5 * steps)
     walls.sort()
     wall_plain = walls[len(walls) // 2]
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -106,6 +125,7 @@ def profile(sess, steps: int, warmup: int, vocab_size: int = 151936) -> dict:
             "gpu_busy_ms_per_step": busy / 1e3, "gaps_ms_per_step": wall * 1e3 - busy / 1e3,
             "host_gap_ms_per_step": wall_plain * 1e3 - busy / 1e3,
             "host_gap_fraction": (wall_plain * 1e3 - busy / 1e3) / (wall_plain * 1e3),
+            "host_us_per_step": host,
             "timeline_profiled": {k: round(v, 2) for k, v in idle.items()},
             "families": {k: {kk: round(vv, 2) for kk, vv in v.items()} for k, v in sorted(fams.items())},
             "top_kernels": [{"us_per_step": round(a, 2), "launches_per_step": b, "name": c} for a, b, c in top]}

@@ -121,13 +121,28 @@ STATS_KEYS = {
     "max_model_len", "num_threads", "workspace_bytes", "num_steps", "num_forward_tokens", "num_generated_tokens",
     "num_requests_finished", "num_nonfinite_requests", "draft_weight_bytes", "draft_kv_cache_bytes",
     "num_speculative_tokens", "draft_sampling", "num_spec_steps", "num_drafted", "num_accepted", "acceptance_length",
-    "accepted_per_position", "spec_time_s", "decode_time_s", "cuda_graphs", "deterministic", "graph_batch_sizes",
+    "accepted_per_position", "spec_time_s", "decode_time_s", "host_stage_s", "host_launch_s", "host_wait_s",
+    "cuda_graphs", "deterministic", "graph_batch_sizes",
     "graph_capture_s",
     "graph_steps", "eager_steps", "eager_forwards", "pipelined_steps", "dropped_rows", "num_preemptions",
     "num_prefill_chunks", "num_running_requests", "num_waiting_requests", "prefix_caching", "num_cached_blocks",
     "num_evictable_blocks", "num_evicted_blocks", "prefix_cache_query_tokens", "prefix_cache_hit_tokens",
     "speculation", "draft_lengths", "spec_length_steps", "spec_cost_table", "spec_cost_measure_s",
 }
+
+
+def test_host_time_of_decode_steps(tiny_model_dirs):
+    """The decode steps' host time: staging and queueing (eager on the CPU: every op) are counted,
+    and with the waits they fit in the decode time (no pipelining here: every launch is inside it)."""
+    s = dflash.Session(tiny_model_dirs["llama_gqa"], device="cpu", num_threads=1)
+    before = s.stats()
+    assert before["host_stage_s"] == before["host_launch_s"] == before["host_wait_s"] == 0.0
+    s.generate(["hello there", "a b c"], dflash.SamplingParams(max_tokens=6, ignore_eos=True))
+    st = s.stats()
+    assert st["eager_steps"] >= 5
+    assert st["host_stage_s"] > 0.0 and st["host_launch_s"] > 0.0 and st["host_wait_s"] >= 0.0
+    assert st["host_stage_s"] + st["host_launch_s"] + st["host_wait_s"] <= st["decode_time_s"] + 1e-6
+    s.close()
 
 
 def test_stats_keys(sess):

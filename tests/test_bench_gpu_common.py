@@ -151,3 +151,13 @@ def test_attention_bench_plan():
                                               ("cuda_rope", 0), ("cuda_rope", 0), ("cuda_rope", 2), ("cuda_rope", 4)]
     with pytest.raises(SystemExit):
         b.parse_args(["--impls", "cuda,nope"])
+
+
+def test_profile_host_split():
+    p = _bench_module("profile_gpu_step")
+    before = {"decode_time_s": 1.0, "host_stage_s": 0.1, "host_launch_s": 0.2, "host_wait_s": 0.5}
+    after = {"decode_time_s": 1.0 + 10 * 800e-6, "host_stage_s": 0.1 + 10 * 20e-6, "host_launch_s": 0.2 + 10 * 30e-6,
+             "host_wait_s": 0.5 + 10 * 700e-6}
+    h = p.host_split(before, after, wall_s=10 * 900e-6, steps=10)
+    assert h == {"stage": 20.0, "launch": 30.0, "wait": 700.0, "results": 50.0, "outside_decode": 100.0,
+                 "not_waiting": 200.0}

@@ -257,13 +257,23 @@ void DecodePrograms::run(const std::vector<DecodeRow>& rows, const std::function
   wait();
 }
 
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+}  // namespace
+
 void DecodePrograms::wait() {
+  const auto t = std::chrono::steady_clock::now();
   backend_.synchronize();
+  if (host_timers_) host_timers_->time_host_wait_s += seconds_since(t);
   read_slot_ = last_slot_;
 }
 
 void DecodePrograms::wait_step(int slot) {
+  const auto t = std::chrono::steady_clock::now();
   backend_.wait_step(slot);
+  if (host_timers_) host_timers_->time_host_wait_s += seconds_since(t);
   read_slot_ = slot;
 }
 
@@ -272,7 +282,9 @@ int DecodePrograms::launch(const std::vector<DecodeRow>& rows, const std::functi
   const int slot = next_slot_;
   const int64_t b = padded(static_cast<int64_t>(rows.size()));
   const int64_t n = length_of(length);
+  const auto t0 = std::chrono::steady_clock::now();
   stage(rows, b, n, slot);
+  const auto t1 = std::chrono::steady_clock::now();
   backend_.begin_step();
   if (config_.graphs) {
     const size_t idx = graph_index(n, b);
@@ -284,6 +296,10 @@ int DecodePrograms::launch(const std::vector<DecodeRow>& rows, const std::functi
   }
   backend_.copy_to_host(out_host_[slot].get(), out_dev_, static_cast<size_t>(out_layout_.words()) * 4);
   backend_.record_step(slot);
+  if (host_timers_) {
+    host_timers_->time_host_stage_s += std::chrono::duration<double>(t1 - t0).count();
+    host_timers_->time_host_launch_s += seconds_since(t1);
+  }
   last_slot_ = slot;
   next_slot_ = slot ^ 1;
   return slot;

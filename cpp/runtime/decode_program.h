@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "dflash/stats.h"
 #include "kv_cache/block_allocator.h"
 #include "model/drafter.h"
 #include "model/transformer.h"
@@ -92,6 +93,10 @@ class DecodePrograms {
              int64_t length = -1);
   void wait();
   void wait_step(int slot);
+  // From here on, launch() and the waits add their host time to these counters
+  // (time_host_stage_s, time_host_launch_s, time_host_wait_s); null stops it. Start-up runs
+  // (capture, measure_costs) are left out by setting it after them.
+  void set_host_timers(EngineStats* stats) { host_timers_ = stats; }
   // Outputs of the last run (host memory, valid until the next run). AR: tokens[R].
   // Speculative with n drafts: drafts[R * n], num_accepted[R], next_token[R] (n = 0: next_token
   // only, the sampled token).
@@ -142,6 +147,7 @@ class DecodePrograms {
   // host->device copy stages a step's inputs, one device->host copy returns its outputs. Device
   // views of the inputs (in_) and outputs (out_); two pinned host copies of each (in_host_ and
   // out_host_[slot]), so two steps can be in flight.
+  EngineStats* host_timers_ = nullptr;
   StepInputLayout in_layout_;
   StepOutputLayout out_layout_;
   Tensor in_dev_, out_dev_;

@@ -67,6 +67,7 @@ Engine::Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocato
     }
     policy_ = std::make_unique<SpecPolicy>(spec_.num_spec_tokens, spec_.policy, std::move(costs));
   }
+  programs_->set_host_timers(&stats_);  // after the start-up runs
 }
 
 Engine::~Engine() {

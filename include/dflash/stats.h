@@ -30,6 +30,12 @@ struct EngineStats {
   // only, where the backend is synchronised between phases), and of whole decode steps.
   double time_draft_s = 0.0, time_verify_s = 0.0, time_accept_s = 0.0, time_context_s = 0.0;
   double time_decode_s = 0.0;
+  // Host time of the decode steps' programs (seconds, summed): staging a step's inputs (filling
+  // the pinned buffer, queueing its copy to the device); queueing the step (the graph launch or,
+  // eager, issuing every op; the output copy); blocked waiting for the device to finish it.
+  // Between two graph steps the device idles while the host does the rest of a step: all but
+  // the wait (the results' handling is decode_time_s minus these three).
+  double time_host_stage_s = 0.0, time_host_launch_s = 0.0, time_host_wait_s = 0.0;
   // How decode steps ran: replays of captured CUDA graphs, eager decode programs (graphs off, or
   // the CPU), eager ragged forwards (prefills, and decode rows that record taps).
   int64_t num_graph_steps = 0;
@@ -116,6 +122,9 @@ void for_each_engine_stat(Fn&& fn) {
   fn("time_accept_s", &EngineStats::time_accept_s);
   fn("time_context_s", &EngineStats::time_context_s);
   fn("decode_time_s", &EngineStats::time_decode_s);
+  fn("host_stage_s", &EngineStats::time_host_stage_s);
+  fn("host_launch_s", &EngineStats::time_host_launch_s);
+  fn("host_wait_s", &EngineStats::time_host_wait_s);
   fn("graph_steps", &EngineStats::num_graph_steps);
   fn("eager_steps", &EngineStats::num_eager_decode_steps);
   fn("eager_forwards", &EngineStats::num_eager_forwards);

@@ -553,7 +553,9 @@ class Session:
         steps run as graph replays / eagerly (graphs off, or the CPU); eager_forwards: eager
         ragged forwards (prefills; AR decode rows recording taps). spec_time_s: per-phase times
         of speculative decode steps, measured only when they run eagerly (the phases of a graph
-        are not timed separately); decode_time_s: wall time of all decode steps; pipelined_steps /
+        are not timed separately); decode_time_s: wall time of all decode steps, of which the host
+        spent host_stage_s staging inputs, host_launch_s queueing the steps (a graph launch, or
+        every op when eager) and host_wait_s waiting for the device; pipelined_steps /
         dropped_rows (async_decode): steps launched ahead of their predecessor's tokens, and rows
         of such steps computed for requests that had ended. num_preemptions: running requests whose
         KV blocks were taken back when the cache ran out (each resumes by recomputing its prompt
