@@ -82,9 +82,8 @@ Tensor DFlash2Drafter::backbone(const DeviceBatch& batch, KVPool& pool) {
     backend_.rms_norm(residual, w.input_norm, g.eps, s.normed);
     conv_prepare(c.attention, s.normed, block, deltas, conv_in);
     backend_.linear(conv_in, w.qkv, s.qkv);
-    backend_.qkv_norm_rope_write(s.qkv, w.q_norm, w.k_norm, g.eps, batch.positions, inv_freq_, batch.slots, s.q,
-                                 s.k, s.v, pool, static_cast<int64_t>(l));
-    backend_.paged_attention(s.q, pool, static_cast<int64_t>(l), layer_meta(batch, l), s.attn);
+    backend_.rope_write_attention(s.qkv, w.q_norm, w.k_norm, g.eps, batch.positions, inv_freq_, batch.slots, pool,
+                                  static_cast<int64_t>(l), layer_meta(batch, l), s.q, s.k, s.v, s.attn);
     backend_.linear(s.attn.reshape({t, nh * hd}), w.o, s.proj);
     conv_finish_add(c.attention, s.proj, deltas, block, residual);
     // h = h + finish(mlp(prepare(norm(h))))

@@ -204,18 +204,24 @@ def test_refusals():
 
 # (arch, heads, KV heads, head_dim): Qwen3 with q/k norms at head_dim 128 and a GQA group of 4 (the
 # drafter's block and the verify rows exceed 16 per KV head: unfused there); Llama without norms
-# at head_dim 64 and group 1 (the drafter's 8-token block and the 8-row verify run fused too).
+# at head_dim 64 and group 1 (the drafters' 8-token blocks and the 9-row verify run fused too).
+# Target-only, with a DFlash drafter and with a DFlash2 drafter.
 SESSION_MODELS = [("qwen3", 8, 2, 128), ("llama", 4, 4, 64)]
 
 
-@pytest.mark.parametrize("spec", [False, True])
+@pytest.mark.parametrize("spec", [None, "dflash", "dflash2"])
 @pytest.mark.parametrize("arch,nh,nkv,hd", SESSION_MODELS)
 def test_session_is_bit_identical(arch, nh, nkv, hd, spec, tmp_path):
     from tests.fixtures.tiny_models import write_tiny_model
+    from tests.gpu.gpu_helpers import gpu_dflash2
 
     target = write_tiny_model(tmp_path / "m", arch=arch, hidden_size=nh * hd, num_layers=2, num_heads=nh,
                               num_kv_heads=nkv, head_dim=hd, intermediate_size=512, dtype="bfloat16", seed=13)
-    draft = tiny_drafter(tmp_path / "d", target) if spec else None
+    draft = None
+    if spec == "dflash":
+        draft = tiny_drafter(tmp_path / "d", target)
+    elif spec == "dflash2":
+        draft = gpu_dflash2(tmp_path, target, block_size=8)
     off = run_session(target, draft, {"DFLASH_ROPE_ATTENTION": "0"}, kernels="decode_attention_kernel")
     on = run_session(target, draft, {"DFLASH_ROPE_ATTENTION": "1"}, kernels="decode_attention_kernel")
     assert on["tokens"] == off["tokens"]

@@ -772,7 +772,10 @@ std::unique_ptr<CapturedGraph> CudaBackend::capture_end() {
     cudaGraphDestroy(graph);
     DFLASH_CUDA_CHECK(err);
   }
-  return std::make_unique<CudaGraph>(graph, exec);
+  auto captured = std::make_unique<CudaGraph>(graph, exec);
+  // Its device-side setup now, on the stream, rather than in the first replay (a decode step).
+  DFLASH_CUDA_CHECK(cudaGraphUpload(exec, stream_));
+  return captured;
 }
 
 void CudaBackend::graph_launch(const CapturedGraph& graph) {
