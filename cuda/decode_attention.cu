@@ -30,10 +30,13 @@
 // builds its rows' queries from the raw QKV projection (per-head RMSNorm and RoPE by
 // rope_common.cuh's norm_rope_head, rounded to bf16 as the unfused kernel stores them, so the
 // scores have the same bits), and the CTA whose key range holds a new token's position writes that
-// token's K (normed, rotated) and V for its KV head into the pools, then reads its keys. The key
-// ranges of the splits partition the sequence, so each new key is written by the one CTA that
-// reads it; those reads go through L2 (ld.global.cg), which sees the CTA's own writes after
-// __syncthreads (the read-only path does not promise that).
+// token's K (normed, rotated) and V for its KV head into the pools. The key ranges of the splits
+// partition the sequence, so each new key is written by the one CTA that reads it. Before waiting
+// for the kernel ahead (programmatic launch), a ROPE CTA already reads what that kernel does not
+// write: the batch's metadata, the block table and its first pass of K/V (earlier steps' keys);
+// the new keys in that pass, read stale, are then replaced from the prologue's shared-memory
+// copies, and those of later passes are read through L2 (ld.global.cg, which sees the CTA's own
+// writes after __syncthreads; the read-only path does not promise that).
 //
 // Programmatic dependent launch: detail::pdl_begin() before any memory access.
 #include <algorithm>
@@ -96,16 +99,15 @@ __device__ __forceinline__ T load_kv(const T* p) {
   }
 }
 
-// The keys [lo, c1) of the pass starting at pass0 into out; the pass's other keys read as zeros,
-// or (KEEP) keep what out holds (the fused prologue's reload of the keys it has just written).
-template <int HD, bool COHERENT, bool KEEP = false>
-__device__ __forceinline__ void load_pass(const Params& p, const int32_t* table, int kv_head, int pass0, int lo,
-                                          int c1, PassLoads<HD>& out) {
+// The keys [pass0, c1) of the pass starting at pass0 into out; keys past c1 read as zeros.
+template <int HD, bool COHERENT>
+__device__ __forceinline__ void load_pass(const Params& p, const int32_t* table, int kv_head, int pass0, int c1,
+                                          PassLoads<HD>& out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // Lane e < 16 of warp w looks up key 16 w + e; shuffles hand the slot to the lanes that need it.
   const int my_key = pass0 + 16 * warp + (lane & 15);
   int64_t my_row = -1;  // the key's row in the pool (slot * nkv + kv_head), -1 outside the range
-  if (my_key >= lo && my_key < c1) {
+  if (my_key < c1) {
     const int blk = __ldg(table + my_key / p.block_size);
     my_row = (static_cast<int64_t>(blk) * p.block_size + my_key % p.block_size) * p.num_kv_heads + kv_head;
   }
@@ -116,7 +118,7 @@ __device__ __forceinline__ void load_pass(const Params& p, const int32_t* table,
     const uint4* src = reinterpret_cast<const uint4*>(p.k_pool + k_row * HD + half * (HD / 2));
 #pragma unroll
     for (int i = 0; i < PassLoads<HD>::kKVecs; ++i) out.k[i] = load_kv<COHERENT>(src + i);
-  } else if (!KEEP) {
+  } else {
 #pragma unroll
     for (int i = 0; i < PassLoads<HD>::kKVecs; ++i) out.k[i] = make_uint4(0, 0, 0, 0);
   }
@@ -126,19 +128,30 @@ __device__ __forceinline__ void load_pass(const Params& p, const int32_t* table,
     const int64_t v_row = __shfl_sync(0xffffffffu, my_row, e);
     if (v_row >= 0) {
       out.v[e] = load_kv<COHERENT>(reinterpret_cast<const VT*>(p.v_pool + v_row * HD) + lane);
-    } else if (!KEEP) {
+    } else {
       out.v[e] = VT{};
     }
   }
 }
 
+// Shared memory of the fused prologue (ROPE), in red_s (not used before the end of the key loop):
+// the rows' queries qb [RB][HD], and this CTA's new keys kn, vn [RB][HD] (bf16).
+template <int HD>
+struct RopeScratch {
+  __nv_bfloat16* qb;
+  __nv_bfloat16* kn;
+  __nv_bfloat16* vn;
+  int* written;  // [RB]: new key i went to the pools (its slot is not negative)
+};
+
 // The fused prologue (ROPE): the rows' queries, RMSNormed per head (q_norm) and rotated, into
-// qb [rows][HD] (bf16, shared memory); the new tokens i in [new0, new1) of this CTA's key range:
-// K (k_norm, rotated) and V of this KV head into the pools at slots[token] (skipped when
-// negative). One warp per (row) or (token, K or V) unit; the caller syncs.
+// qb; the new tokens i in [new0, new1) of this CTA's key range: K (k_norm, rotated) and V of
+// this KV head into kn, vn [i - new0] and the pools at slots[token] (skipped when negative). One
+// warp per (row) or (token, K or V) unit; the caller syncs. The pools are written from the
+// shared copy by the lanes that wrote it (each lane copies its own elements).
 template <int HD>
 __device__ void rope_prologue(const Params& p, int q_begin, int group, int rows, int kv_head, int new0, int new1,
-                              __nv_bfloat16* qb) {
+                              const RopeScratch<HD>& sm) {
   constexpr int P = HD / 64;  // rope_common.cuh's lane layout (decode_attention_rope_check)
   const int warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const int64_t heads = p.num_heads + 2 * p.num_kv_heads;
@@ -147,19 +160,44 @@ __device__ void rope_prologue(const Params& p, int q_begin, int group, int rows,
     if (u < rows) {
       const int tok = q_begin + u / group, head = kv_head * group + u % group;
       detail::norm_rope_head<P>(p.rope.qkv + (tok * heads + head) * HD, p.rope.q_norm, p.rope.eps,
-                                static_cast<float>(p.rope.positions[tok]), p.rope.inv_freq, HD, qb + u * HD);
+                                static_cast<float>(p.rope.positions[tok]), p.rope.inv_freq, HD, sm.qb + u * HD);
       continue;
     }
-    const int e = u - rows, tok = q_begin + new0 + e / 2;
+    const int e = u - rows, i = e / 2, tok = q_begin + new0 + i;
     const int64_t slot = p.rope.slots[tok];
+    if ((threadIdx.x & 31) == 0 && e % 2 == 0) sm.written[i] = slot >= 0;
     if (slot < 0) continue;  // uniform over the warp
     const int64_t dst = (slot * p.num_kv_heads + kv_head) * HD;
     const __nv_bfloat16* k_src = p.rope.qkv + (tok * heads + p.num_heads + kv_head) * HD;
     if (e % 2 == 0) {
       detail::norm_rope_head<P>(k_src, p.rope.k_norm, p.rope.eps, static_cast<float>(p.rope.positions[tok]),
-                                p.rope.inv_freq, HD, p.k_write + dst);
+                                p.rope.inv_freq, HD, sm.kn + i * HD);
+      detail::copy_head<P>(sm.kn + i * HD, HD, p.k_write + dst);
     } else {
-      detail::copy_head<P>(k_src + p.num_kv_heads * HD, HD, p.v_write + dst);  // V follows the K heads
+      detail::copy_head<P>(k_src + p.num_kv_heads * HD, HD, sm.vn + i * HD);  // V follows the K heads
+      detail::copy_head<P>(sm.vn + i * HD, HD, p.v_write + dst);
+    }
+  }
+}
+
+// The new keys [lo, c1) of the pass at pass0 that went to the pools, from the prologue's shared
+// copies (row key - lo) into out over what load_pass read before they were written.
+template <int HD>
+__device__ __forceinline__ void patch_new_keys(const RopeScratch<HD>& sm, int pass0, int lo, int c1,
+                                               PassLoads<HD>& out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int k_key = pass0 + 16 * warp + (lane >> 1), half = lane & 1;  // load_pass's QK layout
+  if (k_key >= lo && k_key < c1 && sm.written[k_key - lo]) {
+    const uint4* src = reinterpret_cast<const uint4*>(sm.kn + (k_key - lo) * HD + half * (HD / 2));
+#pragma unroll
+    for (int i = 0; i < PassLoads<HD>::kKVecs; ++i) out.k[i] = src[i];
+  }
+  using VT = typename VPiece<HD>::T;
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    const int key = pass0 + 16 * warp + e;
+    if (key >= lo && key < c1 && sm.written[key - lo]) {
+      out.v[e] = reinterpret_cast<const VT*>(sm.vn + (key - lo) * HD)[lane];
     }
   }
 }
@@ -197,20 +235,23 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   // with ROPE, before the wait for the kernel ahead (only the new tokens' keys come after).
   const int32_t* table = p.block_table + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
   PassLoads<HD> cur, nxt;
-  if (c0 < c1) load_pass<HD, false>(p, table, kv_head, c0, c0, c1, cur);
-  // ROPE: the rows' queries in bf16, in red_s (not used before the end of the key loop).
-  [[maybe_unused]] __nv_bfloat16* qb = reinterpret_cast<__nv_bfloat16*>(&red_s[0][0][0]);
+  if (c0 < c1) load_pass<HD, false>(p, table, kv_head, c0, c1, cur);
+  // ROPE: the prologue's queries and new keys in red_s (not used before the end of the key loop).
+  __shared__ int written_s[RB];
+  [[maybe_unused]] const RopeScratch<HD> sm{reinterpret_cast<__nv_bfloat16*>(&red_s[0][0][0]),
+                                            reinterpret_cast<__nv_bfloat16*>(&red_s[0][0][0]) + RB * HD,
+                                            reinterpret_cast<__nv_bfloat16*>(&red_s[0][0][0]) + 2 * RB * HD,
+                                            written_s};
+  static_assert(3 * RB * HD * sizeof(__nv_bfloat16) <= sizeof(red_s), "the prologue's rows fit in red_s");
   if constexpr (ROPE) {
     detail::pdl_begin();
     // This CTA's new tokens: queries [new0, new1), keys first_new + i in [c0, c1).
     const int first_new = kv_len - num_q;
     const int new0 = max(c0 - first_new, 0), new1 = min(c1 - first_new, num_q);
-    rope_prologue<HD>(p, q_begin, group, rows, kv_head, new0, new1, qb);
-    __syncthreads();  // the new keys are in the pools and qb is complete
-    // The new keys of the first pass were read stale above: again, through L2.
-    if (new0 < new1 && first_new + new0 < c0 + kPassKeys) {
-      load_pass<HD, true, true>(p, table, kv_head, c0, first_new + new0, c1, cur);
-    }
+    rope_prologue<HD>(p, q_begin, group, rows, kv_head, new0, new1, sm);
+    __syncthreads();  // the new keys are in the pools and in kn / vn, qb is complete
+    // The first pass read the new keys before they were written: their shared copies replace them.
+    if (new0 < new1 && first_new + new0 < c0 + kPassKeys) patch_new_keys<HD>(sm, c0, first_new + new0, c1, cur);
   }
 
   for (int i = tid; i < RB * HD; i += kThreads) {
@@ -218,7 +259,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
     float v = 0.0f;
     if (r < rows) {
       if constexpr (ROPE) {
-        v = __bfloat162float(qb[r * HD + d]) * p.qk_scale;
+        v = __bfloat162float(sm.qb[r * HD + d]) * p.qk_scale;
       } else {
         const int tok = q_begin + r / group, head = kv_head * group + r % group;
         v = __bfloat162float(p.q[(static_cast<int64_t>(tok) * p.num_heads + head) * HD + d]) * p.qk_scale;
@@ -241,7 +282,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   const int half = lane & 1, kk = 16 * warp + (lane >> 1);  // QK: this thread's key in the pass
   const int srow = tid >> 3, ssub = tid & 7;                 // softmax: 8 threads per row
   for (int pass0 = c0; pass0 < c1; pass0 += kPassKeys) {
-    if (pass0 + kPassKeys < c1) load_pass<HD, ROPE>(p, table, kv_head, pass0 + kPassKeys, pass0 + kPassKeys, c1, nxt);
+    if (pass0 + kPassKeys < c1) load_pass<HD, ROPE>(p, table, kv_head, pass0 + kPassKeys, c1, nxt);
 
     // QK: partial dot over this thread's half of hd, then the pair's sum.
     float part[RB];
