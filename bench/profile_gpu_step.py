@@ -141,7 +141,7 @@ def main():
     ap.add_argument("--smollm2-geometry", action="store_true",
                     help="random weights of SmolLM2-135M's shapes + the shipped drafter")
     ap.add_argument("--async-decode", action="store_true",
-                    help="also profile the AR step with pipelined decoding (async_decode; label ar_async)")
+                    help="also profile the steps with pipelined decoding (async_decode; labels ar_async, spec_async)")
     args = ap.parse_args()
     res = run_record("gpu_step_profile")
     res["point"] = {"batch": 1, "context": 512, "cuda_graphs": True}
@@ -165,6 +165,7 @@ def main():
     runs = [("ar", None), ("spec", draft)]
     if args.async_decode:
         runs.insert(1, ("ar_async", None))
+        runs.insert(3, ("spec_async", draft))
     if args.smollm2_geometry:
         ship = json.loads((SHIPPED_DRAFTER / "config.json").read_text())
         for n in (3, 5):
@@ -174,10 +175,10 @@ def main():
                 "block_size": ship["block_size"], "mask_token_id": ship["dflash_config"]["mask_token_id"]})
             runs.append((f"spec_{n}_layers", d))
     for label, d in runs:
-        if label == "spec" and d is None:
+        if label.startswith("spec") and d is None:
             continue
         sess, _ = make_session(model, draft_dir=d, graphs=True, kv=kv, max_num_seqs=16,
-                               async_decode=label == "ar_async")
+                               async_decode=label.endswith("_async"))
         res[label] = profile(sess, args.steps, warmup=3, vocab_size=vocab)
         print(label, {k: v for k, v in res[label].items() if k != "top_kernels"}, flush=True)
         for row in res[label]["top_kernels"][:12]:

@@ -187,6 +187,11 @@ cudaError_t assemble_drafts(const int32_t* proposed, const int32_t* override_dra
 // ids[R]: ids[i] = feed[i] >= 0 ? prev[feed[i]] : ids[i]  (a pipelined decode step's anchors,
 // taken from the previous step's sampled tokens prev[] on the device)
 cudaError_t feed_tokens(int32_t* ids, const int32_t* feed, const int32_t* prev, int64_t rows, cudaStream_t stream);
+// Backend::feed_spec_inputs over b requests of q rows: block_table [b, width], params [b].
+cudaError_t feed_spec_inputs(const int32_t* feed, const int32_t* num_accepted, const int32_t* next_token,
+                             const int32_t* block_table, int64_t width, int64_t b, int64_t q, int64_t block_size,
+                             int32_t* ids, int32_t* verify_ids, int32_t* positions, int32_t* slots, int32_t* kv_len,
+                             int32_t* anchors, SampleRow* params, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // DFlash2 candidate drafting and exact acceptance with proposal rows (backend.h gives the ops'

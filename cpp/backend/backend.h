@@ -53,6 +53,19 @@ struct Fp8Weight {
   size_t nbytes() const { return q.nbytes() + scale.nbytes(); }
 };
 
+// A pipelined speculative step's inputs and the outputs of the step before it, all device int32
+// tensors (Backend::feed_spec_inputs). b requests of q = n + 1 rows each.
+struct SpecStepFeed {
+  Tensor feed;          // [b] the row of the step before that each request continues, or -1
+  Tensor num_accepted;  // the step before's outputs: [>= feed rows] accepted drafts
+  Tensor next_token;    // [>= feed rows] its bonus / correction token
+  Tensor block_table;   // [b, width] block ids
+  Tensor ids, verify_ids, positions, slots;  // [b * q]
+  Tensor kv_len, anchors;                    // [b]
+  Tensor params;                             // [b] SampleRow (kU8, b * sizeof(SampleRow) bytes)
+  int64_t rows_per_request = 1, block_size = 1;
+};
+
 // The linear layers of a decoder layer, named in weight prefetch hints (Backend::prefetch_weight).
 enum class LayerLinear { kQkv, kO, kGateUp, kDown };
 
@@ -192,6 +205,14 @@ class Backend {
   // ids[R] (int32): ids[i] = feed[i] >= 0 ? prev[feed[i]] : ids[i]  (pipelined decode: the
   // anchors of a step launched before the host has read the previous step's tokens prev[])
   virtual void feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) = 0;
+  // Pipelined speculative decode: a step launched before the host has read the acceptance of the
+  // step before it was staged as if that step had accepted nothing and emitted no token (its
+  // request's rows at positions q0 + j). Request r with f = feed[r] >= 0 moves on by shift =
+  // num_accepted[f] + 1: positions[r q + j] += shift, kv_len[r] += shift, params[r].position +=
+  // shift, slots[r q + j] = the slot of the new position in block_table[r] (block_size), and
+  // anchors[r] = ids[r q] = verify_ids[r q] = next_token[f]. Requests with feed[r] < 0 are left
+  // as staged.
+  virtual void feed_spec_inputs(SpecStepFeed& f) = 0;
 
   // --- DFlash2 candidate drafting and proposal-aware acceptance (CPU: fp32 host functions of
   // cpu/host_candidates.h; CUDA: the kernels of cuda/ and the Triton walk). Defaults throw,

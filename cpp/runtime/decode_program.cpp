@@ -107,7 +107,7 @@ void DecodePrograms::stage(const std::vector<DecodeRow>& rows, int64_t b, int64_
       h.override_drafts[r * n + j] = row.override_drafts ? row.override_drafts[j] : 0;
     }
     h.use_override[r] = row.override_drafts ? 1 : 0;
-    DFLASH_CHECK(row.feed < 0 || (config_.feed && !drafter_), "a fed anchor needs an AR program built with feed");
+    DFLASH_CHECK(row.feed < 0 || config_.feed, "a fed row needs decode programs built with feed");
     h.feed[r] = row.feed;
     h.anchors[r] = row.anchor;
     DFLASH_CHECK(!row.override_drafts || !drafter_ || drafter_->proposal_kind() == ProposalKind::kOneHot,
@@ -164,6 +164,23 @@ void DecodePrograms::issue(int64_t b, int64_t n, const std::function<void(int)>&
     backend_.sample_rows(fwd.logits, params, tokens);
     last_logits_ = fwd.logits;
     return;
+  }
+  if (config_.feed) {  // pipelined steps: move fed requests on by the previous step's acceptance
+    SpecStepFeed f;
+    f.feed = in_.feed.rows(0, b);
+    f.num_accepted = out_.num_accepted;
+    f.next_token = out_.next_token;
+    f.block_table = d.meta.block_table;
+    f.ids = d.token_ids;
+    f.verify_ids = in_.verify_ids.rows(0, t);
+    f.positions = d.positions;
+    f.slots = d.slots;
+    f.kv_len = d.meta.kv_len;
+    f.anchors = in_.anchors.rows(0, b);
+    f.params = params;
+    f.rows_per_request = q;
+    f.block_size = config_.block_size;
+    backend_.feed_spec_inputs(f);
   }
   if (n == 0) {
     issue_context_step(d, params, phase);

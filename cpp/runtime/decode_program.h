@@ -35,7 +35,10 @@ struct DecodeRow {
   const BlockTable* blocks = nullptr;
   SampleRow sample;          // position: the first token sampled / drafted (q0 + 1)
   const int32_t* override_drafts = nullptr;  // [n] test hook: drafts to verify instead of the drafter's
-  int32_t feed = -1;  // AR with config.feed: >= 0 takes the anchor from that row of the previous step's tokens
+  // With config.feed, >= 0: the row of the previous step (not read yet) this one continues. AR:
+  // the anchor is that row's token. Speculative: the row is staged as if that step had accepted
+  // nothing (q0 = its q0, anchor and sample.position to be moved on by the device).
+  int32_t feed = -1;
 };
 
 struct DecodeProgramConfig {
@@ -49,7 +52,9 @@ struct DecodeProgramConfig {
   int32_t trash_block = 0;     // first reserved block id (num_blocks_for(rows per request) of them)
   bool pad = false;            // pad rows to the graph sizes (CUDA)
   bool graphs = false;         // capture and replay graphs (needs pad)
-  bool feed = false;           // AR: anchors may come from the previous step's tokens (DecodeRow::feed)
+  // Pipelined steps (DecodeRow::feed): AR anchors from the previous step's tokens; speculative
+  // requests moved on by the previous step's acceptance (Backend::feed_spec_inputs).
+  bool feed = false;
 };
 
 class DecodePrograms {

@@ -27,11 +27,13 @@ struct EngineOptions {
   bool cuda_graphs = false;  // capture decode programs into graphs (CUDA)
   bool pad_batches = false;  // pad decode steps to the graph batch sizes (always with graphs)
   int32_t trash_block = 0;   // first of the KV blocks reserved for padding rows
-  // Pipelined AR decode: while every running request is decoding and none is waiting, each step
-  // launches the next one (anchors taken from this step's tokens on the device) before it waits
-  // for its own outputs, so the host's work between steps runs while the GPU computes. A step
-  // of a request that ends (EOS, stop token) is then computed once for nothing and dropped.
-  // Target-only decoding (a drafter's steps depend on their acceptance counts).
+  // Pipelined decode: while every running request is decoding and none is waiting, each step
+  // launches the next one before it waits for its own outputs, so the host's work between steps
+  // runs while the GPU computes; the next step takes what it needs of this one's outputs on the
+  // device (AR: the tokens; speculative: the accepted count and the next token). A step of a
+  // request that ends (EOS, stop token, max_tokens reached by accepted drafts) is then computed
+  // once for nothing and dropped. Target-only decoding and fixed speculation (adaptive
+  // speculation chooses a step's draft length from the acceptance of the one before).
   bool async_decode = false;
 };
 
@@ -145,7 +147,10 @@ class Engine {
   // chunk row, the first token after a new request's last chunk.
   std::vector<StepOutput> speculative_prefill(const std::vector<PrefillChunk>& chunks);
 
-  // --- Pipelined AR decode, EngineOptions::async_decode (pipelined_decode.cpp).
+  // Emits the outcome of a speculative decode step with n drafts over `running` (dead rows
+  // skipped): the accepted drafts and the next token, stop checks, non-finite rows, metrics.
+  std::vector<StepOutput> commit_spec(const std::vector<Request*>& running, const std::vector<bool>& dead, int64_t n);
+  // --- Pipelined decode, EngineOptions::async_decode (pipelined_decode.cpp).
   // The step in flight, launched before the host read its predecessor; rows whose request ended
   // meanwhile are dead (their output dropped).
   struct PendingStep {
@@ -153,13 +158,15 @@ class Engine {
     std::vector<bool> dead;  // [rows]
     int slot = 0;            // the decode programs' slot it was launched in (wait_step)
   };
-  // Whether the next decode step can be launched ahead (async on, target-only, nothing waiting,
-  // no recording or forced tokens on `rows`).
+  // Whether the next decode step can be launched ahead (async on, nothing waiting, no recording,
+  // forced tokens or oracle drafts on `rows`).
   bool can_pipeline(const std::vector<Request*>& rows, const std::vector<bool>& dead) const;
-  // Launches the next AR step over the requests of `rows` that continue after the step whose
-  // outputs are not read yet (fed = true: their anchors come from that step's tokens, row i of
-  // `rows` = token row i) or were just read (fed = false); nullopt when none continues.
+  // Launches the next decode step over the requests of `rows` that continue after the step whose
+  // outputs are not read yet (fed = true: row i of `rows` is row i of that step, whose outputs the
+  // new step takes on the device) or were just read (fed = false); nullopt when none continues.
   std::optional<PendingStep> launch_ahead(const std::vector<Request*>& rows, const std::vector<bool>& dead, bool fed);
+  std::optional<PendingStep> launch_ahead_spec(const std::vector<Request*>& rows, const std::vector<bool>& dead,
+                                               bool fed);
   // Waits for the step in flight, launching its successor first when allowed, and emits its tokens.
   std::vector<StepOutput> finish_pending(bool allow_next);
   // Finishes the step in flight without a successor; its outputs are returned by the next step().

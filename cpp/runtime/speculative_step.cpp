@@ -196,8 +196,11 @@ std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& 
   programs_->launch(rows, [&](int phase) { *phase_time[phase] += lap(backend_, &t); }, n);
   if (overlap) overlap();  // queued behind the program; its own sync also waits for the program
   programs_->wait();
-  stats_.num_forward_tokens += static_cast<int64_t>(running.size()) * (n + 1);
+  return commit_spec(running, std::vector<bool>(running.size(), false), n);
+}
 
+std::vector<StepOutput> Engine::commit_spec(const std::vector<Request*>& running, const std::vector<bool>& dead,
+                                            int64_t n) {
   const int32_t* drafts = programs_->drafts();
   const int32_t* accepted = programs_->num_accepted();
   const int32_t* next = programs_->next_token();
@@ -205,6 +208,11 @@ std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& 
   const Clock::time_point now = Clock::now();
   std::vector<StepOutput> outputs;
   for (size_t i = 0; i < running.size(); ++i) {
+    if (dead[i]) {  // a pipelined step's row of a request that ended in the step before
+      stats_.num_dropped_rows += 1;
+      continue;
+    }
+    stats_.num_forward_tokens += n + 1;
     Request* r = running[i];
     int64_t a = n > 0 ? accepted[i] : 0;
     // The rows the outcome read are 0..a (row j judges draft j; row a gave the next token). From
@@ -236,7 +244,13 @@ std::vector<StepOutput> Engine::speculative_decode(const std::vector<Request*>& 
     }
     if (policy_) policy_->observe(r->id, n, a);
     r->num_computed += bad < 0 ? a + 1 : a;  // the anchor and the accepted drafts (finite rows only)
-    r->blocks.truncate(r->num_computed);  // drop the K/V of rejected drafts (O(1))
+    // The K/V of rejected drafts is dropped (O(1); a pipelined step staged no tokens: the table
+    // grows to them here, inside the blocks its launch reserved).
+    if (r->blocks.num_tokens() > r->num_computed) {
+      r->blocks.truncate(r->num_computed);
+    } else {
+      r->blocks.append(r->num_computed - r->blocks.num_tokens());
+    }
     StepOutput out;
     const int64_t appended = emit(r, emitted, now, &out);
     if (n > 0) {

@@ -51,7 +51,8 @@ std::vector<int32_t> oracle_overrides(const Request& r, int64_t n) {
 bool records_rows(const RequestInput& input) { return input.record_logits || input.record_taps; }
 
 bool needs_host_each_step(const RequestInput& input) {
-  return input.record_logits || input.record_taps || input.record_prompt_logits || !input.forced_tokens.empty();
+  return input.record_logits || input.record_taps || input.record_prompt_logits || !input.forced_tokens.empty() ||
+         !input.oracle_drafts.empty();
 }
 
 int64_t first_prompt_logit(const Request& r, int64_t end) {

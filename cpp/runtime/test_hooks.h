@@ -37,8 +37,8 @@ std::vector<int32_t> oracle_overrides(const Request& r, int64_t n);
 // Whether a request records logits or taps (of the rows an eager step computes for it).
 bool records_rows(const RequestInput& input);
 
-// Whether a request has a hook that needs the host at every step (a recording or forced tokens):
-// a decode step launched before its predecessor's outputs are read cannot serve it.
+// Whether a request has a hook that needs the host at every step (a recording, forced tokens or
+// oracle drafts): a decode step launched before its predecessor's outputs are read cannot serve it.
 bool needs_host_each_step(const RequestInput& input);
 
 // The first position below `end` (the end of a prefill chunk of r) whose logits r records as

@@ -82,8 +82,9 @@ struct SessionOptions {
   double gpu_memory_utilization = 0.9;
   // CUDA: replay decode steps from CUDA graphs captured at start-up (ignored on the CPU).
   bool cuda_graphs = true;
-  // Pipelined target-only decoding (each step launched before the previous one's tokens are
-  // read; same outputs). Not with a drafter.
+  // Pipelined decoding, target-only or with fixed speculation (each step launched before the
+  // previous one's outputs are read, which it takes on the device; same outputs). Not with
+  // adaptive speculation.
   bool async_decode = false;
   // Which kernels the backend uses (kernel_options.h; environment variables override them).
   KernelOptions kernels;

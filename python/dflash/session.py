@@ -136,10 +136,12 @@ class Session:
         gpu_memory_utilization (CUDA: fraction of GPU memory for weights, workspaces and the KV
         cache, default 0.9), cuda_graphs (CUDA: decode steps replay CUDA graphs captured at
         start-up, one per padded batch size; default True, False runs them eagerly; True on the
-        CPU is a ValueError), async_decode (default False: pipelined target-only decoding; each
-        step launches the next before reading its own tokens, so host work between steps overlaps
-        the device; outputs are the same; with a draft model it is a ValueError, and without a
-        model_dir or draft it turns the implicit default drafter off), enable_chunked_prefill
+        CPU is a ValueError), async_decode (default False: pipelined decoding, target-only or
+        speculative; each step launches the next before reading its own outputs, which the next
+        step takes on the device (the tokens; with a drafter the accepted count and the next
+        token), so host work between steps overlaps the device; outputs are the same; a request
+        that ends costs one dropped row; with speculation="adaptive" it is a ValueError, since
+        each step's draft length depends on the acceptance of the one before), enable_chunked_prefill
         (default True: a prompt longer than max_num_batched_tokens, the prefill tokens per step,
         is prefilled in chunks over several steps while running requests keep decoding; False
         prefills each prompt in one step), enable_prefix_caching (default True: full KV blocks
@@ -185,8 +187,6 @@ class Session:
             raise TypeError(f"Session() got unexpected keyword argument(s): {', '.join(unknown)}")
         config = _core.SessionConfig()
         config.device = _resolve_device(device)
-        if draft is None and kwargs.get("async_decode") is True:
-            draft = "none"  # pipelined target-only decoding asked for: no implicit default drafter
         draft = resolve_draft(draft, default_model=model_dir is None, device=config.device)
         if model_dir is None:
             model_dir = default_model_dir()

@@ -1,9 +1,11 @@
 # tests/gpu/test_cuda_async_decode.py
 #
-# Pipelined target-only decoding on CUDA (async_decode=True): with graphs on and off, the tokens
-# equal ordinary decoding exactly, greedy and seeded sampling, with requests ending at stop tokens
-# the pipeline could not foresee and batch sizes that need padding; the stats show pipelined
-# steps and dropped rows; no KV block leaks. Skipped without a usable Hopper GPU.
+# Pipelined decoding on CUDA (async_decode=True), target-only and speculative (DFlash, DFlash2;
+# the next step moved on by the previous one's acceptance on the device, inside its graph): with
+# graphs on and off, the tokens equal ordinary decoding exactly, greedy and seeded sampling, with
+# requests ending at stop tokens the pipeline could not foresee and batch sizes that need
+# padding; the stats show pipelined steps and dropped rows, and the same acceptance; no KV block
+# leaks. Skipped without a usable Hopper GPU.
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +13,8 @@ import pytest
 
 import dflash
 from dflash import _core
+from tests.gpu.gpu_helpers import gpu_dflash2
+from tests.gpu.session_runs import tiny_drafter
 
 pytestmark = pytest.mark.skipif(not _core.cuda_usable(), reason="needs the CUDA backend and a Hopper GPU")
 
@@ -23,21 +27,30 @@ def _prompts(n, seed):
 
 
 @pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("draft", [None, "dflash", "dflash2"])
 @pytest.mark.parametrize("name", ["llama_hd64", "qwen3_hd128"])
-def test_cuda_async_equals_sync(name, graphs, tiny_model_dirs):
+def test_cuda_async_equals_sync(name, draft, graphs, tiny_model_dirs, tmp_path):
     target = tiny_model_dirs[name]
-    on = dflash.Session(target, device="cuda", async_decode=True, cuda_graphs=graphs, **KV)
-    off = dflash.Session(target, device="cuda", cuda_graphs=graphs, **KV)
+    dr = "none"
+    if draft == "dflash":
+        dr = str(tiny_drafter(tmp_path / "d", target))
+    elif draft == "dflash2":
+        dr = str(gpu_dflash2(tmp_path, target, block_size=8))
+    on = dflash.Session(target, device="cuda", async_decode=True, cuda_graphs=graphs, draft=dr, **KV)
+    off = dflash.Session(target, device="cuda", cuda_graphs=graphs, draft=dr, **KV)
     for n, temperature in [(1, 0.0), (3, 0.0), (5, 0.9), (11, 0.0)]:
         prompts = _prompts(n, seed=n)
         probe = off.generate(prompts, dflash.SamplingParams(max_tokens=30, ignore_eos=True))
         stops = sorted({o.token_ids[len(o.token_ids) // 2] for o in probe[:2]})
         params = [dflash.SamplingParams(max_tokens=12 + 5 * (i % 4), temperature=temperature, seed=100 + i,
                                         stop_token_ids=stops) for i in range(n)]
+        on.generate(prompts, dflash.SamplingParams(max_tokens=30, ignore_eos=True))  # the same work as `off`
         got = [o.token_ids for o in on.generate(prompts, params)]
         want = [o.token_ids for o in off.generate(prompts, params)]
-        assert got == want, f"{name} graphs={graphs}: {n} prompts at T={temperature}"
-    s = on.stats()
-    print(f"{name} graphs={graphs}: pipelined steps {s['pipelined_steps']}, dropped rows {s['dropped_rows']}")
+        assert got == want, f"{name} {draft} graphs={graphs}: {n} prompts at T={temperature}"
+    s, s_off = on.stats(), off.stats()
+    print(f"{name} {draft} graphs={graphs}: pipelined steps {s['pipelined_steps']}, dropped rows {s['dropped_rows']}")
     assert s["pipelined_steps"] > 0 and s["dropped_rows"] > 0
+    for k in ("num_spec_steps", "num_accepted", "accepted_per_position", "num_generated_tokens"):
+        assert s[k] == s_off[k], k
     assert s["num_free_blocks"] == s["num_blocks"]

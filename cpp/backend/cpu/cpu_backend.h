@@ -54,6 +54,7 @@ class CpuBackend final : public Backend {
   void accept(const Tensor& drafts, const Tensor& logits, const Tensor& params, Tensor& num_accepted,
               Tensor& next_token) override;
   void feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) override;
+  void feed_spec_inputs(SpecStepFeed& f) override;
   void assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,
                        Tensor& drafts, Tensor& verify_ids) override;
   void kv_norm_rope_write_layers(const Tensor& kv, const Tensor& k_norm, float eps, const Tensor& positions,

@@ -80,6 +80,26 @@ void CpuBackend::feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev
   }
 }
 
+void CpuBackend::feed_spec_inputs(SpecStepFeed& f) {
+  const int64_t b = f.feed.numel(), q = f.rows_per_request, bs = f.block_size;
+  const int64_t width = b > 0 ? f.block_table.numel() / b : 0;
+  SampleRow* params = reinterpret_cast<SampleRow*>(f.params.data);
+  for (int64_t r = 0; r < b; ++r) {
+    const int32_t src = f.feed.ptr<int32_t>()[r];
+    if (src < 0) continue;
+    const int32_t shift = f.num_accepted.ptr<int32_t>()[src] + 1, token = f.next_token.ptr<int32_t>()[src];
+    const int32_t* table = f.block_table.ptr<int32_t>() + r * width;
+    for (int64_t j = 0; j < q; ++j) {
+      const int32_t pos = f.positions.ptr<int32_t>()[r * q + j] + shift;
+      f.positions.ptr<int32_t>()[r * q + j] = pos;
+      f.slots.ptr<int32_t>()[r * q + j] = static_cast<int32_t>(table[pos / bs] * bs + pos % bs);
+    }
+    f.kv_len.ptr<int32_t>()[r] += shift;
+    params[r].position += shift;
+    f.anchors.ptr<int32_t>()[r] = f.ids.ptr<int32_t>()[r * q] = f.verify_ids.ptr<int32_t>()[r * q] = token;
+  }
+}
+
 void CpuBackend::assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,
                                  Tensor& drafts, Tensor& verify_ids) {
   const int64_t rows = drafts.dim(0), n = drafts.dim(1);

@@ -552,6 +552,18 @@ void CudaBackend::feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& pre
                                       stream_));
 }
 
+void CudaBackend::feed_spec_inputs(SpecStepFeed& f) {
+  const int64_t b = f.feed.numel();
+  if (b == 0) return;
+  DFLASH_CUDA_CHECK(cuda::feed_spec_inputs(f.feed.ptr<int32_t>(), f.num_accepted.ptr<int32_t>(),
+                                           f.next_token.ptr<int32_t>(), f.block_table.ptr<int32_t>(),
+                                           f.block_table.numel() / b, b, f.rows_per_request, f.block_size,
+                                           f.ids.ptr<int32_t>(), f.verify_ids.ptr<int32_t>(),
+                                           f.positions.ptr<int32_t>(), f.slots.ptr<int32_t>(),
+                                           f.kv_len.ptr<int32_t>(), f.anchors.ptr<int32_t>(),
+                                           static_cast<SampleRow*>(f.params.data), stream_));
+}
+
 void CudaBackend::record_step(int slot) {
   DFLASH_CHECK(slot == 0 || slot == 1, "record_step: slot ", slot);
   DFLASH_CUDA_CHECK(cudaEventRecord(step_events_[slot], stream_));

@@ -86,6 +86,7 @@ class CudaBackend final : public Backend {
   void accept(const Tensor& drafts, const Tensor& logits, const Tensor& params, Tensor& num_accepted,
               Tensor& next_token) override;
   void feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) override;
+  void feed_spec_inputs(SpecStepFeed& f) override;
   void record_step(int slot) override;
   void wait_step(int slot) override;
   void assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,

@@ -1,0 +1,204 @@
+# tests/test_async_spec_decode.py
+#
+# Pipelined speculative decoding (Session(..., draft=..., async_decode=True)) on the CPU backend,
+# which runs the same engine and decode programs as CUDA (nothing overlaps there, but every
+# bookkeeping path is the same): each speculative step launches the next one before its own
+# outputs are read; the next step was staged as if nothing had been accepted and is moved on, on
+# the device, by the accepted count + 1 of the step before, its anchor that step's next token
+# (Backend::feed_spec_inputs). The outputs must equal ordinary speculative decoding exactly, and
+# so must the acceptance counters: DFlash (greedy and probabilistic drafts) and DFlash2 drafters,
+# greedy and seeded sampling, requests that end at a stop token or at max_tokens inside a run of
+# accepted drafts (their extra row is dropped), arrivals that stop the pipeline, aborts and stop
+# strings (which drain the step in flight), padded batches, no KV block leaks; and with the
+# shipped SmolLM2 pair, whose drafts are accepted (shifts of several positions). GPU and graphs:
+# tests/gpu/test_cuda_async_decode.py.
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import dflash
+from dflash import _core
+from tests.runtime_helpers import small_dflash2
+
+NAMES = ["llama_gqa", "qwen3"]
+
+
+def _prompts(n, seed):
+    rng = np.random.default_rng(seed)
+    return [[int(x) for x in rng.integers(3, 300, size=int(rng.integers(3, 25)))] for _ in range(n)]
+
+
+def _drafter(tmp_path, target, kind):
+    if kind == "dflash2":
+        return small_dflash2(tmp_path, target)
+    from dflash.drafter_format import write_dflash_drafter
+
+    cfg = json.loads((target / "config.json").read_text())
+    return write_dflash_drafter(tmp_path / "d", target_config=cfg, num_layers=1, target_layer_ids=[0, 1],
+                                block_size=4)
+
+
+def _sessions(target, draft, **kw):
+    base = {"device": "cpu", "num_threads": 2, "kv_cache_tokens": 4096, "max_num_seqs": 8, "draft": str(draft)}
+    base.update(kw)
+    return dflash.Session(target, async_decode=True, **base), dflash.Session(target, **base)
+
+
+def _run(sess, prompts, params):
+    return [(o.token_ids, o.finish_reason, o.metrics.num_spec_steps, o.metrics.num_accepted)
+            for o in sess.generate(prompts, params)]
+
+
+COUNTERS = ("num_spec_steps", "num_drafted", "num_accepted", "accepted_per_position", "num_generated_tokens",
+            "num_forward_tokens")
+
+
+def _assert_same_counters(on, off):
+    s_on, s_off = on.stats(), off.stats()
+    assert {k: s_on[k] for k in COUNTERS} == {k: s_off[k] for k in COUNTERS}
+    assert s_on["pipelined_steps"] > 0 and s_off["pipelined_steps"] == 0
+    for s in (s_on, s_off):
+        assert s["num_free_blocks"] == s["num_blocks"]
+    return s_on
+
+
+@pytest.mark.parametrize("kind,draft_sampling", [("dflash", "greedy"), ("dflash", "probabilistic"), ("dflash2", None)])
+@pytest.mark.parametrize("name", NAMES)
+def test_async_spec_equals_sync(name, kind, draft_sampling, tiny_model_dirs, tmp_path):
+    target = tiny_model_dirs[name]
+    extra = {"draft_sampling": draft_sampling} if draft_sampling else {}
+    on, off = _sessions(target, _drafter(tmp_path, target, kind), **extra)
+    prompts = _prompts(6, seed=1)
+    probe = dflash.SamplingParams(max_tokens=30, ignore_eos=True)
+    greedy = off.generate(prompts, probe)
+    assert [o.token_ids for o in on.generate(prompts, probe)] == [o.token_ids for o in greedy]
+    stops = sorted({o.token_ids[len(o.token_ids) // 2] for o in greedy[:3]})  # ends no step can foresee
+    for temperature in (0.0, 0.8):
+        params = [dflash.SamplingParams(max_tokens=10 + 7 * (i % 3), temperature=temperature, seed=50 + i,
+                                        stop_token_ids=stops) for i in range(len(prompts))]
+        assert _run(on, prompts, params) == _run(off, prompts, params), f"{name} {kind} T={temperature}"
+    st = _assert_same_counters(on, off)
+    assert st["dropped_rows"] > 0
+
+
+def test_shipped_pair_accepts_and_matches():
+    """SmolLM2-135M with the shipped drafter: drafts are accepted (the device moves requests on by
+    several positions a step), and the outputs, finish reasons and acceptance equal synchronous
+    speculative decoding, greedy and sampled, with requests ending at EOS and at max_tokens."""
+    from dflash.default_model import SHIPPED_DRAFTER_DIR, default_model_dir
+
+    model = default_model_dir()
+    tok = dflash.Session(model, device="cpu", draft="none").tokenizer
+    questions = ["Tom has 3 boxes with 12 pencils each. He gives 7 pencils to his sister. How many are left?",
+                 "Write the numbers from 1 to 20 separated by commas.",
+                 "What is the capital of France? Answer in one sentence.", "List three colors of the rainbow."]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True),
+                          add_special_tokens=False) for q in questions]
+    on, off = _sessions(model, SHIPPED_DRAFTER_DIR, max_model_len=1024, max_num_seqs=4)
+    for temperature in (0.0, 0.8):
+        params = [dflash.SamplingParams(max_tokens=20 + 9 * i, temperature=temperature, seed=7 + i)
+                  for i in range(len(prompts))]
+        got, want = _run(on, prompts, params), _run(off, prompts, params)
+        assert got == want, f"T={temperature}"
+        assert {r[1] for r in got} == {"stop", "length"}
+    st = _assert_same_counters(on, off)
+    assert st["acceptance_length"] > 1.5
+
+
+def test_async_spec_near_max_model_len(tiny_model_dirs, tmp_path):
+    """Requests that run into max_model_len (max_tokens capped by it): a pipelined step could
+    reach past the decode programs' keys, so such a request gets a step of its own there; the
+    outputs still equal synchronous decoding."""
+    target = tiny_model_dirs["qwen3"]
+    on, off = _sessions(target, _drafter(tmp_path, target, "dflash2"), max_model_len=48, block_size=4)
+    prompts = _prompts(4, seed=6)
+    params = [dflash.SamplingParams(max_tokens=100, temperature=0.5 * (i % 2), seed=3 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    got = _run(on, prompts, params)
+    assert got == _run(off, prompts, params)
+    assert all(len(p) + len(g[0]) == 48 and g[1] == "length" for p, g in zip(prompts, got))
+    _assert_same_counters(on, off)
+
+
+def test_async_spec_with_arrivals(tiny_model_dirs, tmp_path):
+    """max_num_seqs 2 with 5 prompts: requests are admitted while others decode (the pipeline
+    stops for each arrival, whose prefill runs first, and starts again)."""
+    target = tiny_model_dirs["llama_gqa"]
+    on, off = _sessions(target, _drafter(tmp_path, target, "dflash"), max_num_seqs=2)
+    prompts = _prompts(5, seed=2)
+    params = [dflash.SamplingParams(max_tokens=8 + 5 * i, temperature=0.7 * (i % 2), seed=9 + i, ignore_eos=True)
+              for i in range(5)]
+    assert _run(on, prompts, params) == _run(off, prompts, params)
+    _assert_same_counters(on, off)
+
+
+def test_async_spec_stop_strings_and_abort(tiny_model_dirs, tmp_path):
+    target = tiny_model_dirs["qwen3"]
+    on, off = _sessions(target, _drafter(tmp_path, target, "dflash2"))
+    prompts = _prompts(4, seed=3)
+    # stop strings: the Python side aborts the request while a step is in flight (drained first)
+    texts = [o.text for o in off.generate(prompts, dflash.SamplingParams(max_tokens=24, ignore_eos=True))]
+    stops = [t[len(t) // 2: len(t) // 2 + 2] for t in texts if len(t) > 4][:2]
+    params = dflash.SamplingParams(max_tokens=24, ignore_eos=True, stop=stops)
+    got = [(o.token_ids, o.text, o.finish_reason) for o in on.generate(prompts, params)]
+    want = [(o.token_ids, o.text, o.finish_reason) for o in off.generate(prompts, params)]
+    assert got == want
+    # abort through the core API in the middle of pipelined decoding
+    ids = []
+    for p in prompts:
+        req = _core.RequestInput()
+        req.prompt = p
+        sc = _core.SamplingConfig()
+        sc.max_tokens, sc.ignore_eos = 20, True
+        req.sampling = sc
+        ids.append(on._core.add_request(req))
+    seen = {i: [] for i in ids}
+    steps = 0
+    while on._core.has_unfinished():
+        for out in on._core.step():
+            seen[out.request_id].extend(out.new_tokens)
+        steps += 1
+        if steps == 4:
+            assert on._core.abort(ids[1])
+    results = {i: on._core.take_result(i) for i in ids}
+    assert results[ids[1]].finish_reason == "abort"
+    alone = off.generate([prompts[0], prompts[2], prompts[3]], dflash.SamplingParams(max_tokens=20, ignore_eos=True))
+    for i, o in zip([ids[0], ids[2], ids[3]], alone):
+        assert list(results[i].token_ids) == o.token_ids == seen[i]
+    assert on.stats()["pipelined_steps"] > 0
+    assert on.stats()["num_free_blocks"] == on.stats()["num_blocks"]
+
+
+def test_async_spec_with_padded_batches(tiny_model_dirs, tmp_path):
+    """The CUDA path pads decode steps to the graph sizes (the CPU's pad_decode_batches test hook
+    does the same): pipelined speculative steps over padded batches (padding rows are not fed)
+    equal unpadded synchronous decoding while the batch shrinks (3 of 5 requests)."""
+    target = tiny_model_dirs["qwen3"]
+    draft = _drafter(tmp_path, target, "dflash")
+
+    def run(pad, async_decode):
+        cfg = _core.SessionConfig()
+        cfg.num_threads, cfg.max_num_seqs, cfg.kv_cache_tokens = 2, 8, 4096
+        cfg.draft_dir = str(draft)
+        cfg.pad_decode_batches, cfg.async_decode = pad, async_decode
+        sess = _core.Session(str(target), cfg)
+        ids = []
+        for i, p in enumerate(_prompts(5, seed=4)):
+            req = _core.RequestInput()
+            req.prompt = p
+            sc = _core.SamplingConfig()
+            sc.max_tokens, sc.temperature, sc.seed, sc.ignore_eos = 6 + 5 * i, 0.6 * (i % 2), 20 + i, True
+            req.sampling = sc
+            ids.append(sess.add_request(req))
+        while sess.has_unfinished():
+            sess.step()
+        st = sess.stats()
+        assert st.num_free_blocks == st.num_blocks
+        return [list(sess.take_result(i).token_ids) for i in ids], st.engine.pipelined_steps
+
+    want, _ = run(False, False)
+    got, pipelined = run(True, True)
+    assert got == want and pipelined > 0
