@@ -375,7 +375,7 @@ def test_serve_command(long_model):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dflash", "serve", "--model", str(long_model), "--port", str(port),
                              "--device", "cpu", "--threads", "1", "--max-model-len", "1024", "--api-key", "k",
-                             "--served-model-name", "served", "--log-level", "warning"],
+                             "--served-model-name", "served", "--log-level", "warning", "--async-decode"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         def healthy():

@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation", choices=["fixed", "adaptive"], default=None,
                    help="with a drafter: 'fixed' (default) drafts the same number of tokens every step; 'adaptive' "
                         "picks the draft length per step (0: a plain step) from measured step costs and acceptance")
+    p.add_argument("--async-decode", action="store_true",
+                   help="pipelined decoding: each decode step is launched before the host reads the one before "
+                        "(same outputs; not with --speculation adaptive)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--api-key", default=None,
@@ -53,6 +56,8 @@ def session_from_args(args: argparse.Namespace) -> Any:
             kwargs[name] = getattr(args, name)
     if args.threads:
         kwargs["num_threads"] = args.threads
+    if args.async_decode:
+        kwargs["async_decode"] = True
     return dflash.Session(args.model, draft=args.draft, device=args.device, max_model_len=args.max_model_len,
                           kv_cache_tokens=args.kv_cache_tokens, **kwargs)
 
