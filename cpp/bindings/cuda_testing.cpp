@@ -247,6 +247,26 @@ void cuda_assemble_drafts(const I32& proposed, const I32& override_drafts, const
                                                   nullptr));
 }
 
+// cuda::feed_spec_inputs over b = feed.size() requests of q = ids.size() / b rows: block_table
+// [b, width]; params uint8 [b * sizeof(SampleRow)] (the packed SampleRows, position moved on).
+void cuda_feed_spec_inputs(const I32& feed, const I32& num_accepted, const I32& next_token, const I32& block_table,
+                           int64_t block_size, const I32& ids, const I32& verify_ids, const I32& positions,
+                           const I32& slots, const I32& kv_len, const I32& anchors, const U8& params) {
+  const int64_t b = static_cast<int64_t>(feed.size());
+  DFLASH_ARG_CHECK(b > 0 && block_table.ndim() == 2 && block_table.shape(0) == b && ids.size() % b == 0 &&
+                       verify_ids.size() == ids.size() && positions.size() == ids.size() &&
+                       slots.size() == ids.size() && kv_len.size() == b && anchors.size() == b &&
+                       params.size() == b * sizeof(SampleRow) && num_accepted.size() == next_token.size(),
+                   "feed_spec_inputs: feed, kv_len, anchors [b], block_table [b, width], ids, verify_ids, positions, "
+                   "slots [b * q], params [b * 32] bytes, num_accepted and next_token of one size");
+  use_device(feed.device_id());
+  finish("feed_spec_inputs",
+         cuda::feed_spec_inputs(feed.data(), num_accepted.data(), next_token.data(), block_table.data(),
+                                block_table.shape(1), b, static_cast<int64_t>(ids.size()) / b, block_size, ids.data(),
+                                verify_ids.data(), positions.data(), slots.data(), kv_len.data(), anchors.data(),
+                                reinterpret_cast<SampleRow*>(params.data()), nullptr));
+}
+
 void cuda_gather_rows(const Any& x, const I32& rows, const Any& out) {
   const int64_t elem_bytes = x.dtype().bits / 8;
   DFLASH_ARG_CHECK(x.ndim() == 2 && out.ndim() == 2 && out.shape(0) == rows.size() &&
@@ -569,6 +589,8 @@ void bind_cuda_testing(nb::module_& m) {
   m.def("cuda_qkv_norm_rope", &cuda_qkv_norm_rope, "qkv"_a, "q_norm"_a.none(), "k_norm"_a.none(),
         "eps"_a, "positions"_a, "inv_freq"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a,
         "q"_a.none(), "k"_a, "v"_a);
+  m.def("cuda_feed_spec_inputs", &cuda_feed_spec_inputs, "feed"_a, "num_accepted"_a, "next_token"_a, "block_table"_a,
+        "block_size"_a, "ids"_a, "verify_ids"_a, "positions"_a, "slots"_a, "kv_len"_a, "anchors"_a, "params"_a);
   m.def("cuda_kv_write", &cuda_kv_write, "k"_a, "v"_a, "slots"_a, "k_pool"_a, "v_pool"_a);
   m.def("cuda_decode_attention", &cuda_decode_attention, "q"_a, "k_pool"_a, "v_pool"_a, "out"_a, "query_start"_a,
         "kv_len"_a, "block_table"_a, "causal"_a, "window"_a, "max_query_len"_a, "max_kv_len"_a,
