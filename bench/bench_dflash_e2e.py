@@ -13,7 +13,8 @@ reported, not asserted).
 
 --variants names the speculative systems, side by side in one job: "default" (what the Session
 chooses by itself), "fixed", "adaptive" (speculation=...) and "fixed:N" (fixed with N drafts per
-step). Every session stays loaded and each of --repeats rounds runs target-only and then every
+step), each optionally pipelined with "+async" (async_decode=True; not with adaptive). --ar-async
+adds the target alone pipelined ("ar_async"). Every session stays loaded and each of --repeats rounds runs target-only and then every
 variant, so drift in the machine's speed hits all alike; seconds are the median over rounds. The
 first variant is the headline: its figures fill the top-level "dflash", "speedup" and
 "identical_outputs" (the format of a one-variant run); "variants" holds each one's figures,
@@ -74,16 +75,21 @@ def machine(device: str) -> str:
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
-    """'default' (the Session's own choice), 'fixed', 'adaptive' or 'fixed:N' (N drafts per step)
-    -> (name, Session keyword arguments)."""
-    if spec == "default":
-        return spec, {}
-    if spec in ("fixed", "adaptive"):
-        return spec, {"speculation": spec}
-    kind, _, n = spec.partition(":")
+    """'default' (the Session's own choice), 'fixed', 'adaptive' or 'fixed:N' (N drafts per step),
+    each optionally with '+async' (pipelined decoding, async_decode=True) -> (name, Session
+    keyword arguments)."""
+    base, plus, suffix = spec.partition("+")
+    if plus and suffix != "async":
+        raise SystemExit(f"--variants: unknown suffix {'+' + suffix!r} in {spec!r} (only +async)")
+    extra = {"async_decode": True} if plus else {}
+    if base == "default":
+        return spec, extra
+    if base in ("fixed", "adaptive"):
+        return spec, {"speculation": base, **extra}
+    kind, _, n = base.partition(":")
     if kind == "fixed" and n.isdigit() and int(n) >= 1:
-        return spec, {"speculation": "fixed", "num_speculative_tokens": int(n)}
-    raise SystemExit(f"--variants: unknown variant {spec!r} (default, fixed, adaptive, fixed:N)")
+        return spec, {"speculation": "fixed", "num_speculative_tokens": int(n), **extra}
+    raise SystemExit(f"--variants: unknown variant {spec!r} (default, fixed, adaptive, fixed:N, each +async)")
 
 
 def spec_record(before, after, outs, seconds, prompts, ar_outs) -> dict:
@@ -134,6 +140,8 @@ def main():
                     help="rounds over every system (target-only first in each); seconds are the median")
     ap.add_argument("--concurrency", type=int, default=1,
                     help="requests generated together (groups of this many prompts, one after another)")
+    ap.add_argument("--ar-async", action="store_true",
+                    help="also time the target alone with async_decode=True (the 'ar_async' record)")
     ap.add_argument("--deterministic", action="store_true",
                     help="every session (target-only too) with deterministic=True: batch-invariant CUDA kernels, "
                          "so speculative greedy output should equal target-only greedy output token for token")
@@ -157,19 +165,24 @@ def main():
         # GPU has left, so the second session would get none).
         common["kv_cache_tokens"] = 65536
     ar = dflash.Session(model, draft="none", device=args.device, **common)
+    ar_async = dflash.Session(model, draft="none", device=args.device, async_decode=True, **common) \
+        if args.ar_async else None
     systems = {}
     for name, kw in variants:
         if args.num_speculative_tokens is not None:
             kw.setdefault("num_speculative_tokens", args.num_speculative_tokens)
         systems[name] = dflash.Session(model, draft=args.draft, device=args.device, **common, **kw)
-    for sess in [ar, *systems.values()]:
+    for sess in [ar, *([ar_async] if ar_async else []), *systems.values()]:
         run(sess, prompts[:1], 8)  # warm-up
     before = {name: sess.stats() for name, sess in systems.items()}
-    ar_s, sp_s = [], {name: [] for name in systems}
+    ar_s, ar_async_s, sp_s = [], [], {name: [] for name in systems}
     sp_outs = {name: [] for name in systems}
     for _ in range(args.repeats):
         ar_outs, s = run(ar, prompts, args.max_tokens, args.concurrency)
         ar_s.append(s)
+        if ar_async:
+            ar_async_outs, s = run(ar_async, prompts, args.max_tokens, args.concurrency)
+            ar_async_s.append(s)
         for name, sess in systems.items():
             outs, s = run(sess, prompts, args.max_tokens, args.concurrency)
             sp_s[name].append(s)
@@ -177,6 +190,12 @@ def main():
     ntok = sum(len(o.token_ids) for o in ar_outs)
     ar_rec = {"tokens": ntok, "seconds": statistics.median(ar_s), "tokens_per_s": ntok / statistics.median(ar_s),
               "seconds_per_round": ar_s}
+    ar_async_rec = None
+    if ar_async:
+        ar_async_rec = {"tokens_per_s": ntok / statistics.median(ar_async_s), "seconds": statistics.median(ar_async_s),
+                        "seconds_per_round": ar_async_s,
+                        "identical_outputs": f"{sum(a.token_ids == b.token_ids for a, b in zip(ar_outs, ar_async_outs))}"
+                                             f"/{len(ar_outs)}"}
     recs = {name: spec_record(before[name], sess.stats(), sp_outs[name], sp_s[name], prompts,
                               ar_outs * args.repeats)
             for name, sess in systems.items()}
@@ -194,6 +213,7 @@ def main():
         "cuda_graphs": systems[head_name].stats().get("cuda_graphs", False),
         "repeats": args.repeats, "headline_variant": head_name,
         "ar": ar_rec,
+        **({"ar_async": ar_async_rec} if ar_async_rec else {}),
         "dflash": {k: head[k] for k in ("tokens", "seconds", "tokens_per_s", "tau", "spec_steps",
                                         "acceptance_rate_per_position", "phase_s", "speculation")},
         "identical_outputs": head["identical_outputs"],

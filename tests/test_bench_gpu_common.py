@@ -161,3 +161,14 @@ def test_profile_host_split():
     h = p.host_split(before, after, wall_s=10 * 900e-6, steps=10)
     assert h == {"stage": 20.0, "launch": 30.0, "wait": 700.0, "results": 50.0, "outside_decode": 100.0,
                  "not_waiting": 200.0}
+
+
+def test_e2e_variants():
+    e = _bench_module("bench_dflash_e2e")
+    assert e.parse_variant("default") == ("default", {})
+    assert e.parse_variant("fixed:3") == ("fixed:3", {"speculation": "fixed", "num_speculative_tokens": 3})
+    assert e.parse_variant("fixed+async") == ("fixed+async", {"speculation": "fixed", "async_decode": True})
+    assert e.parse_variant("default+async") == ("default+async", {"async_decode": True})
+    for bad in ("fixed+fast", "fixed:0", "nope"):
+        with pytest.raises(SystemExit):
+            e.parse_variant(bad)
