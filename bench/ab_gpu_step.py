@@ -34,18 +34,32 @@ from gpu_common import BENCH_DIR, command_line, now_iso
 RESULT_NAME = "gpu_h200_qwen3_8b.json"  # what bench_gpu_qwen3.py writes into its --out
 
 
+# bench_gpu_qwen3.py flags a variant may add (session options, not environment switches).
+BENCH_FLAGS = ("--async-decode",)
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
-    """'label=A=1,B=x' -> ('label', {'A': '1', 'B': 'x'}); 'label=' -> ('label', {})."""
+    """'label=A=1,B=x' -> ('label', {'A': '1', 'B': 'x'}); 'label=' -> ('label', {}). An item that is
+    one of BENCH_FLAGS (e.g. 'label=--async-decode') is kept under its own name with the value
+    'flag' and passed to the child bench instead of its environment."""
     label, sep, rest = text.partition("=")
     if not sep or not label or not label.replace("_", "").replace("-", "").isalnum():
         raise ValueError(f"a variant is LABEL=[NAME=VALUE,...] with a plain label, got {text!r}")
     env: dict[str, str] = {}
     for item in filter(None, rest.split(",")):
+        if item in BENCH_FLAGS:
+            env[item] = "flag"
+            continue
         name, eq, value = item.partition("=")
         if not eq or not name.isidentifier() or not name.startswith("DFLASH_"):
-            raise ValueError(f"variant {label!r}: {item!r} is not DFLASH_NAME=VALUE")
+            raise ValueError(f"variant {label!r}: {item!r} is not DFLASH_NAME=VALUE or one of {BENCH_FLAGS}")
         env[name] = value
     return label, env
+
+
+def split_variant(env: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """A parsed variant's environment additions and its bench flags."""
+    return ({k: v for k, v in env.items() if k not in BENCH_FLAGS}, [k for k in env if k in BENCH_FLAGS])
 
 
 def step_points(result: dict[str, Any]) -> dict[str, float]:
@@ -114,9 +128,10 @@ def main(argv=None) -> None:
     for repeat in range(args.repeats):
         for label, env in variants:
             run_dir = Path(tempfile.mkdtemp(prefix=f"ab_{label}_"))
-            cmd = child_command(args, run_dir, work)
+            extra_env, flags = split_variant(env)
+            cmd = child_command(args, run_dir, work) + flags
             t = time.perf_counter()
-            p = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, check=False)
+            p = subprocess.run(cmd, env={**os.environ, **extra_env}, capture_output=True, text=True, check=False)
             run: dict[str, Any] = {"label": label, "repeat": repeat, "env": env, "rc": p.returncode,
                                    "wall_s": round(time.perf_counter() - t, 1)}
             result_path = run_dir / RESULT_NAME

@@ -113,9 +113,13 @@ def test_ab_variants_parse():
     assert ab.parse_variant("default=") == ("default", {})
     assert ab.parse_variant("tc=DFLASH_ATTENTION=tensor_cores,DFLASH_PDL=0") == (
         "tc", {"DFLASH_ATTENTION": "tensor_cores", "DFLASH_PDL": "0"})
-    for bad in ("nolabel", "=DFLASH_PDL=0", "x=PATH=/bin", "x=DFLASH_PDL", "a b=DFLASH_PDL=0"):
+    for bad in ("nolabel", "=DFLASH_PDL=0", "x=PATH=/bin", "x=DFLASH_PDL", "a b=DFLASH_PDL=0", "x=--fast"):
         with pytest.raises(ValueError):
             ab.parse_variant(bad)
+    label, env = ab.parse_variant("pipe=--async-decode,DFLASH_ROPE_ATTENTION=1")
+    assert label == "pipe" and ab.split_variant(env) == ({"DFLASH_ROPE_ATTENTION": "1"}, ["--async-decode"])
+    q = _bench_module("bench_gpu_qwen3")
+    assert q.parse_args(["--async-decode"]).async_decode and not q.parse_args([]).async_decode
 
 
 def test_ab_summary_medians_and_ratios():
