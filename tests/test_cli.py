@@ -69,6 +69,9 @@ def test_generate_with_draft_reports_acceptance(tiny_model_dirs, tmp_path):
                 "--json", "hello there")
     assert json.loads(spec.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
     assert "acceptance length (tau)" in spec.stderr and "acceptance by position" in spec.stderr
+    pipelined = _run("generate", "--model", str(target), "--draft", str(dr), "--no-chat", "--max-tokens", "12",
+                     "--json", "--async-decode", "hello there")
+    assert json.loads(pipelined.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
 
 
 def test_default_drafter_of_the_default_model(tmp_path):

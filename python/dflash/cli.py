@@ -78,6 +78,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         kwargs["num_speculative_tokens"] = args.num_speculative_tokens
     if args.threads:
         kwargs["num_threads"] = args.threads
+    if args.async_decode:
+        kwargs["async_decode"] = True
     # model None: the default model; the drafter follows Session's rule (resolve_draft).
     session = dflash.Session(args.model, draft=args.draft, device=args.device,
                              max_model_len=args.max_model_len, **kwargs)
@@ -417,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--threads", type=int, default=0, help="CPU threads (default: all)")
+    g.add_argument("--async-decode", action="store_true",
+                   help="pipelined decoding: each decode step is launched before the host reads the one before "
+                        "(same outputs)")
     g.add_argument("--json", action="store_true", help="one JSON object per output")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     g.set_defaults(func=_cmd_generate)
