@@ -65,11 +65,16 @@ def _assert_same_counters(on, off):
     return s_on
 
 
-@pytest.mark.parametrize("kind,draft_sampling", [("dflash", "greedy"), ("dflash", "probabilistic"), ("dflash2", None)])
+@pytest.mark.parametrize("kind,draft_sampling,n", [("dflash", "greedy", None), ("dflash", "probabilistic", None),
+                                                   ("dflash", "auto", 1), ("dflash2", None, None),
+                                                   ("dflash2", "greedy", 2)])
 @pytest.mark.parametrize("name", NAMES)
-def test_async_spec_equals_sync(name, kind, draft_sampling, tiny_model_dirs, tmp_path):
+def test_async_spec_equals_sync(name, kind, draft_sampling, n, tiny_model_dirs, tmp_path):
+    """n: fewer drafts per step than the drafter's block (None: block_size - 1)."""
     target = tiny_model_dirs[name]
     extra = {"draft_sampling": draft_sampling} if draft_sampling else {}
+    if n is not None:
+        extra["num_speculative_tokens"] = n
     on, off = _sessions(target, _drafter(tmp_path, target, kind), **extra)
     prompts = _prompts(6, seed=1)
     probe = dflash.SamplingParams(max_tokens=30, ignore_eos=True)
