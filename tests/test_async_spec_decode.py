@@ -128,6 +128,46 @@ def test_async_spec_near_max_model_len(tiny_model_dirs, tmp_path):
     _assert_same_counters(on, off)
 
 
+def test_shipped_pair_adaptive_schedule():
+    """The shipped SmolLM2 pair under a forced adaptive schedule mixing AR steps (n = 0) and draft
+    lengths 1 / 3 / 7, pipelined and not: the same outputs, greedy and sampled. Drafts are
+    accepted here, so a step after an AR step moves on only if that step left its accepted count
+    at zero (the random drafters of the other tests accept almost nothing)."""
+    from dflash.default_model import SHIPPED_DRAFTER_DIR, default_model_dir
+
+    model = default_model_dir()
+    tok = dflash.Session(model, device="cpu", draft="none").tokenizer
+    questions = ["Write the numbers from 1 to 30 separated by commas.",
+                 "Tom has 3 boxes with 12 pencils each. He gives 7 pencils to his sister. How many are left?"]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True),
+                          add_special_tokens=False) for q in questions]
+
+    def run(async_decode, temperature):
+        cfg = _core.SessionConfig()
+        cfg.num_threads, cfg.max_num_seqs, cfg.kv_cache_tokens, cfg.max_model_len = 2, 4, 4096, 1024
+        cfg.draft_dir, cfg.speculation, cfg.async_decode = str(SHIPPED_DRAFTER_DIR), "adaptive", async_decode
+        cfg.spec_cost_table = [[1, 1.0, 1.0, 1.0, 1.0]]
+        cfg.spec_length_schedule = [0, 7, 3, 0, 7, 1, 7, 7]
+        sess = _core.Session(str(model), cfg)
+        ids = []
+        for i, p in enumerate(prompts):
+            req = _core.RequestInput()
+            req.prompt = p
+            sc = _core.SamplingConfig()
+            sc.max_tokens, sc.temperature, sc.seed, sc.ignore_eos = 40, temperature, 11 + i, True
+            req.sampling = sc
+            ids.append(sess.add_request(req))
+        while sess.has_unfinished():
+            sess.step()
+        e = sess.stats().engine
+        return [list(sess.take_result(i).token_ids) for i in ids], e
+
+    for temperature in (0.0, 0.8):
+        (got, e_on), (want, e_off) = run(True, temperature), run(False, temperature)
+        assert got == want, f"T={temperature}"
+        assert e_on.pipelined_steps > 0 and e_on.num_accepted > 0 and e_on.num_accepted == e_off.num_accepted
+
+
 def test_async_spec_with_arrivals(tiny_model_dirs, tmp_path):
     """max_num_seqs 2 with 5 prompts: requests are admitted while others decode (the pipeline
     stops for each arrival, whose prefill runs first, and starts again)."""
@@ -207,3 +247,54 @@ def test_async_spec_with_padded_batches(tiny_model_dirs, tmp_path):
     want, _ = run(False, False)
     got, pipelined = run(True, True)
     assert got == want and pipelined > 0
+
+
+def test_async_with_adaptive_speculation(tiny_model_dirs, tmp_path):
+    """Adaptive speculation pipelined: with a forced draft-length schedule (AR steps, n = 0, among
+    draft-verify steps of several lengths) the k-th decode step drafts the same length as without
+    pipelining, so greedy and seeded outputs equal synchronous decoding; under the policy itself
+    (whose choice for a pipelined step sees one step less of acceptance) greedy output still
+    equals target-only decoding."""
+    target = tiny_model_dirs["qwen3"]
+    draft = _drafter(tmp_path, target, "dflash")  # block 4: lengths 0..3
+    prompts = _prompts(6, seed=8)
+    schedule = [0, 3, 1, 0, 2, 3, 3, 0]
+
+    def core(async_decode):
+        cfg = _core.SessionConfig()
+        cfg.num_threads, cfg.max_num_seqs, cfg.kv_cache_tokens = 2, 8, 4096
+        cfg.draft_dir, cfg.speculation, cfg.async_decode = str(draft), "adaptive", async_decode
+        cfg.draft_lengths, cfg.spec_cost_table = [0, 1, 2, 3], [[1, 1.0, 1.0, 1.0, 1.0]]
+        cfg.spec_length_schedule = schedule
+        return _core.Session(str(target), cfg)
+
+    for temperature in (0.0, 0.8):
+        runs = []
+        for async_decode in (True, False):
+            sess = core(async_decode)
+            ids = []
+            for i, p in enumerate(prompts):
+                req = _core.RequestInput()
+                req.prompt = p
+                sc = _core.SamplingConfig()
+                sc.max_tokens, sc.temperature, sc.seed, sc.ignore_eos = 10 + 4 * i, temperature, 30 + i, True
+                req.sampling = sc
+                ids.append(sess.add_request(req))
+            while sess.has_unfinished():
+                sess.step()
+            runs.append([list(sess.take_result(i).token_ids) for i in ids])
+            st = sess.stats()
+            assert st.num_free_blocks == st.num_blocks
+            if async_decode:
+                assert st.engine.pipelined_steps > 0 and st.engine.spec_length_steps[0] > 0
+        assert runs[0] == runs[1], f"T={temperature}"
+    # the policy on a table where speculation pays for one request, not for three or more
+    table = {"batch_sizes": [1, 3], "lengths": [0, 1, 3], "seconds": [[1.0, 1.0, 1.0], [1.0, 6.0, 6.0]]}
+    on = dflash.Session(target, device="cpu", num_threads=2, kv_cache_tokens=4096, draft=str(draft),
+                        speculation="adaptive", spec_cost_table=table, async_decode=True)
+    plain = dflash.Session(target, device="cpu", num_threads=2, kv_cache_tokens=4096, draft="none")
+    params = [dflash.SamplingParams(max_tokens=8 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
+    assert [o.token_ids for o in on.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    st = on.stats()
+    assert st["pipelined_steps"] > 0 and st["num_free_blocks"] == st["num_blocks"]
+    assert st["spec_length_steps"][0] > 0 and sum(st["spec_length_steps"].values()) > st["spec_length_steps"][0]

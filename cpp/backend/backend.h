@@ -213,6 +213,8 @@ class Backend {
   // anchors[r] = ids[r q] = verify_ids[r q] = next_token[f]. Requests with feed[r] < 0 are left
   // as staged.
   virtual void feed_spec_inputs(SpecStepFeed& f) = 0;
+  // t = 0, every byte (an int32 output a program must leave at zero; usable in captured graphs).
+  virtual void clear(Tensor& t) = 0;
 
   // --- DFlash2 candidate drafting and proposal-aware acceptance (CPU: fp32 host functions of
   // cpu/host_candidates.h; CUDA: the kernels of cuda/ and the Triton walk). Defaults throw,

@@ -31,9 +31,6 @@ Engine::Engine(Transformer& model, Backend& backend, KVPool& pool, BlockAllocato
       max_model_len_(max_model_len),
       spec_(spec),
       async_decode_(options.async_decode) {
-  DFLASH_ARG_CHECK(!async_decode_ || !spec.adaptive,
-                   "async_decode pipelines target-only decoding and fixed speculation; adaptive speculation "
-                   "chooses each step's draft length from the acceptance of the step before (turn one of them off)");
   if (spec_.drafter) {
     stats_.accepted_per_position.assign(spec_.num_spec_tokens, 0);
     stats_.spec_length_steps.assign(spec_.num_spec_tokens + 1, 0);

@@ -32,8 +32,8 @@ struct EngineOptions {
   // runs while the GPU computes; the next step takes what it needs of this one's outputs on the
   // device (AR: the tokens; speculative: the accepted count and the next token). A step of a
   // request that ends (EOS, stop token, max_tokens reached by accepted drafts) is then computed
-  // once for nothing and dropped. Target-only decoding and fixed speculation (adaptive
-  // speculation chooses a step's draft length from the acceptance of the one before).
+  // once for nothing and dropped. With adaptive speculation a pipelined step's draft length is
+  // chosen before the acceptance of the step in flight is known (one step later than otherwise).
   bool async_decode = false;
 };
 
@@ -157,6 +157,7 @@ class Engine {
     std::vector<Request*> rows;
     std::vector<bool> dead;  // [rows]
     int slot = 0;            // the decode programs' slot it was launched in (wait_step)
+    int64_t n = 0;           // its draft length (speculative)
   };
   // Whether the next decode step can be launched ahead (async on, nothing waiting, no recording,
   // forced tokens or oracle drafts on `rows`).
@@ -164,9 +165,11 @@ class Engine {
   // Launches the next decode step over the requests of `rows` that continue after the step whose
   // outputs are not read yet (fed = true: row i of `rows` is row i of that step, whose outputs the
   // new step takes on the device) or were just read (fed = false); nullopt when none continues.
-  std::optional<PendingStep> launch_ahead(const std::vector<Request*>& rows, const std::vector<bool>& dead, bool fed);
+  // prev_n: the draft length of the step not yet read (fed, speculative).
+  std::optional<PendingStep> launch_ahead(const std::vector<Request*>& rows, const std::vector<bool>& dead, bool fed,
+                                          int64_t prev_n = 0);
   std::optional<PendingStep> launch_ahead_spec(const std::vector<Request*>& rows, const std::vector<bool>& dead,
-                                               bool fed);
+                                               bool fed, int64_t prev_n);
   // Waits for the step in flight, launching its successor first when allowed, and emits its tokens.
   std::vector<StepOutput> finish_pending(bool allow_next);
   // Finishes the step in flight without a successor; its outputs are returned by the next step().

@@ -1,11 +1,13 @@
 // Pipelined decode (EngineOptions::async_decode): while every running request is decoding and
 // none is waiting, each step launches the next one before it waits for its own outputs, so the
 // host's work between steps runs while the GPU computes. The next step takes what it needs of
-// this one's outputs on the device: AR, the sampled tokens (its anchors); speculative (fixed
-// draft length n), the accepted count a and the next token of each request, which move the
-// request on by a + 1 positions (Backend::feed_spec_inputs; the host staged the step as if a
-// were -1 and reserved blocks for the furthest it can go). A step of a request that ends (EOS,
-// stop token, max_tokens) is then computed once for nothing and dropped (its row is dead).
+// this one's outputs on the device: AR, the sampled tokens (its anchors); speculative, the
+// accepted count a and the next token of each request, which move the request on by a + 1
+// positions (Backend::feed_spec_inputs; the host staged the step as if a were -1 and reserved
+// blocks for the furthest it can go). The new step's draft length is chosen at its launch (with
+// adaptive speculation from the acceptance committed so far, one step earlier than otherwise).
+// A step of a request that ends (EOS, stop token, max_tokens) is then computed once for nothing
+// and dropped (its row is dead).
 // Engine::step (engine.cpp) starts the pipeline after a decode step with no prefill in it and,
 // while a step is in flight, finishes it instead of scheduling; abort() drains it first.
 //   can_pipeline       whether the next step may be launched ahead;
@@ -36,8 +38,8 @@ bool Engine::can_pipeline(const std::vector<Request*>& rows, const std::vector<b
 }
 
 std::optional<Engine::PendingStep> Engine::launch_ahead(const std::vector<Request*>& rows,
-                                                        const std::vector<bool>& dead, bool fed) {
-  if (spec_.drafter) return launch_ahead_spec(rows, dead, fed);
+                                                        const std::vector<bool>& dead, bool fed, int64_t prev_n) {
+  if (spec_.drafter) return launch_ahead_spec(rows, dead, fed, prev_n);
   // The step not yet read (fed) emits one more token: a request continues past it only if
   // that token does not reach max_new_tokens (an EOS or stop token cannot be known yet).
   const int64_t pending_tokens = fed ? 1 : 0;
@@ -81,22 +83,29 @@ std::optional<Engine::PendingStep> Engine::launch_ahead(const std::vector<Reques
 }
 
 std::optional<Engine::PendingStep> Engine::launch_ahead_spec(const std::vector<Request*>& rows,
-                                                             const std::vector<bool>& dead, bool fed) {
-  // The step not yet read (fed) emits 1 to q tokens and moves its request on as far: a request
-  // continues past it unless its first token reaches max_new_tokens, and the new step's rows lie
-  // in [q0, q0 + 2q) for q0 = num_computed now (without fed: [q0, q0 + q)). The decode programs
-  // hold keys up to max_model_len + q: a request nearer its end than that waits for a step of its
-  // own (the pipeline pauses while it is not in the step in flight, can_pipeline).
-  const int64_t n = spec_.num_spec_tokens, q = n + 1;
-  const int64_t pending_min = fed ? 1 : 0, pending_max = fed ? q : 0;
+                                                             const std::vector<bool>& dead, bool fed, int64_t prev_n) {
+  // The step not yet read (fed, prev_n drafts) emits 1 to prev_n + 1 tokens and moves its request
+  // on as far: a request continues past it unless its first token reaches max_new_tokens, and the
+  // new step's q rows lie in [q0, q0 + prev_n + 1 + q) for q0 = num_computed now (without fed:
+  // [q0, q0 + q)). The decode programs hold keys up to max_model_len + q: a request nearer its end
+  // than that waits for a step of its own (the pipeline pauses while it is not in the step in
+  // flight, can_pipeline).
+  const int64_t pending_min = fed ? 1 : 0, pending_max = fed ? prev_n + 1 : 0;
   std::vector<size_t> continuing;
-  int64_t more_blocks = 0;
+  std::vector<Request*> requests;
   for (size_t i = 0; i < rows.size(); ++i) {
-    const Request* r = rows[i];
+    Request* r = rows[i];
     if (dead[i] || r->status == RequestStatus::kFinished) continue;
     if (static_cast<int64_t>(r->output.size()) + pending_min >= r->max_new_tokens) continue;
     if (r->num_computed + pending_max > max_model_len_) continue;
     continuing.push_back(i);
+    requests.push_back(r);
+  }
+  if (continuing.empty()) return std::nullopt;
+  // The draft length: fixed, or the adaptive policy's choice from the acceptance committed so far.
+  const int64_t n = choose_length(requests), q = n + 1;
+  int64_t more_blocks = 0;
+  for (const Request* r : requests) {
     more_blocks += std::max<int64_t>(0, BlockTable::blocks_for(r->num_computed + pending_max + q,
                                                                  r->blocks.block_size()) -
                                             static_cast<int64_t>(r->blocks.blocks().size()));
@@ -104,6 +113,7 @@ std::optional<Engine::PendingStep> Engine::launch_ahead_spec(const std::vector<R
   // Growing a block table may need a preemption, which only the scheduler's step does.
   if (!allocator_.can_allocate(more_blocks)) return std::nullopt;
   PendingStep next;
+  next.n = n;
   std::vector<DecodeRow> drows;
   for (size_t i : continuing) {
     Request* r = rows[i];
@@ -138,10 +148,10 @@ std::vector<StepOutput> Engine::finish_pending(bool allow_next) {
   PendingStep cur = std::move(*pending_);
   pending_.reset();
   std::optional<PendingStep> next;
-  if (allow_next && can_pipeline(cur.rows, cur.dead)) next = launch_ahead(cur.rows, cur.dead, /*fed=*/true);
+  if (allow_next && can_pipeline(cur.rows, cur.dead)) next = launch_ahead(cur.rows, cur.dead, /*fed=*/true, cur.n);
   programs_->wait_step(cur.slot);
   stats_.num_steps += 1;
-  std::vector<StepOutput> outputs = spec_.drafter ? commit_spec(cur.rows, cur.dead, spec_.num_spec_tokens)
+  std::vector<StepOutput> outputs = spec_.drafter ? commit_spec(cur.rows, cur.dead, cur.n)
                                                   : commit_ar(cur.rows, cur.dead, programs_->tokens(),
                                                               programs_->nonfinite());
   if (next) {  // requests that ended in this step: their rows of the next one are dropped

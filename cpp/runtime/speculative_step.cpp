@@ -152,6 +152,10 @@ void DecodePrograms::issue_context_step(DeviceBatch& d, const Tensor& params, co
   Tensor next = out_.next_token.rows(0, b), nonfinite = out_.nonfinite.rows(0, b);
   backend_.nonfinite_rows(fwd.logits, nonfinite);
   backend_.sample_rows(fwd.logits, params, next);
+  if (config_.feed) {  // a pipelined successor moves on by num_accepted + 1: nothing was drafted
+    Tensor accepted = out_.num_accepted.rows(0, b);
+    backend_.clear(accepted);
+  }
   mark(2);
   drafter_->update_context(fwd.taps, d.positions, d.slots, *draft_pool_);
   mark(3);

@@ -82,9 +82,9 @@ struct SessionOptions {
   double gpu_memory_utilization = 0.9;
   // CUDA: replay decode steps from CUDA graphs captured at start-up (ignored on the CPU).
   bool cuda_graphs = true;
-  // Pipelined decoding, target-only or with fixed speculation (each step launched before the
-  // previous one's outputs are read, which it takes on the device; same outputs). Not with
-  // adaptive speculation.
+  // Pipelined decoding, target-only or speculative (each step launched before the previous one's
+  // outputs are read, which it takes on the device; same outputs; adaptive speculation chooses a
+  // pipelined step's draft length one step earlier).
   bool async_decode = false;
   // Which kernels the backend uses (kernel_options.h; environment variables override them).
   KernelOptions kernels;

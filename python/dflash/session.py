@@ -140,8 +140,8 @@ class Session:
         speculative; each step launches the next before reading its own outputs, which the next
         step takes on the device (the tokens; with a drafter the accepted count and the next
         token), so host work between steps overlaps the device; outputs are the same; a request
-        that ends costs one dropped row; with speculation="adaptive" it is a ValueError, since
-        each step's draft length depends on the acceptance of the one before), enable_chunked_prefill
+        that ends costs one dropped row; with speculation="adaptive" a pipelined step's draft
+        length is chosen before the acceptance of the step in flight is known), enable_chunked_prefill
         (default True: a prompt longer than max_num_batched_tokens, the prefill tokens per step,
         is prefilled in chunks over several steps while running requests keep decoding; False
         prefills each prompt in one step), enable_prefix_caching (default True: full KV blocks

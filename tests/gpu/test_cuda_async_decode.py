@@ -54,3 +54,37 @@ def test_cuda_async_equals_sync(name, draft, graphs, tiny_model_dirs, tmp_path):
     for k in ("num_spec_steps", "num_accepted", "accepted_per_position", "num_generated_tokens"):
         assert s[k] == s_off[k], k
     assert s["num_free_blocks"] == s["num_blocks"]
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_async_adaptive_schedule(graphs, tiny_model_dirs, tmp_path):
+    """Adaptive speculation pipelined on CUDA under a forced schedule mixing AR steps (n = 0, whose
+    program leaves its accepted count at zero for the next step's feed) and draft lengths: the
+    same tokens as without pipelining, greedy and seeded."""
+    target = tiny_model_dirs["qwen3_hd128"]
+    draft = tiny_drafter(tmp_path / "d", target)  # block 8: lengths 0..7
+
+    def run(async_decode, temperature):
+        cfg = _core.SessionConfig()
+        cfg.device, cfg.cuda_graphs, cfg.max_num_seqs, cfg.kv_cache_tokens = "cuda", graphs, 8, 16384
+        cfg.draft_dir, cfg.speculation, cfg.async_decode = str(draft), "adaptive", async_decode
+        cfg.spec_cost_table = [[1, 1.0, 1.0, 1.0, 1.0]]
+        cfg.spec_length_schedule = [0, 7, 3, 0, 7, 1, 7, 7]
+        sess = _core.Session(str(target), cfg)
+        ids = []
+        for i, p in enumerate(_prompts(5, seed=9)):
+            req = _core.RequestInput()
+            req.prompt = p
+            sc = _core.SamplingConfig()
+            sc.max_tokens, sc.temperature, sc.seed, sc.ignore_eos = 12 + 5 * i, temperature, 40 + i, True
+            req.sampling = sc
+            ids.append(sess.add_request(req))
+        while sess.has_unfinished():
+            sess.step()
+        st = sess.stats()
+        assert st.num_free_blocks == st.num_blocks
+        return [list(sess.take_result(i).token_ids) for i in ids], st.engine.pipelined_steps
+
+    for temperature in (0.0, 0.9):
+        (got, pipelined), (want, _) = run(True, temperature), run(False, temperature)
+        assert got == want and pipelined > 0, f"graphs={graphs} T={temperature}"

@@ -55,6 +55,7 @@ class CpuBackend final : public Backend {
               Tensor& next_token) override;
   void feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) override;
   void feed_spec_inputs(SpecStepFeed& f) override;
+  void clear(Tensor& t) override;
   void assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,
                        Tensor& drafts, Tensor& verify_ids) override;
   void kv_norm_rope_write_layers(const Tensor& kv, const Tensor& k_norm, float eps, const Tensor& positions,

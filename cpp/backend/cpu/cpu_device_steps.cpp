@@ -100,6 +100,10 @@ void CpuBackend::feed_spec_inputs(SpecStepFeed& f) {
   }
 }
 
+void CpuBackend::clear(Tensor& t) {
+  if (t.nbytes() > 0) std::memset(t.data, 0, t.nbytes());
+}
+
 void CpuBackend::assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,
                                  Tensor& drafts, Tensor& verify_ids) {
   const int64_t rows = drafts.dim(0), n = drafts.dim(1);

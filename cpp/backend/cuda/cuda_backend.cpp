@@ -564,6 +564,10 @@ void CudaBackend::feed_spec_inputs(SpecStepFeed& f) {
                                            static_cast<SampleRow*>(f.params.data), stream_));
 }
 
+void CudaBackend::clear(Tensor& t) {
+  if (t.nbytes() > 0) DFLASH_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.nbytes(), stream_));
+}
+
 void CudaBackend::record_step(int slot) {
   DFLASH_CHECK(slot == 0 || slot == 1, "record_step: slot ", slot);
   DFLASH_CUDA_CHECK(cudaEventRecord(step_events_[slot], stream_));

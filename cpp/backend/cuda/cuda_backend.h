@@ -87,6 +87,7 @@ class CudaBackend final : public Backend {
               Tensor& next_token) override;
   void feed_tokens(Tensor& ids, const Tensor& feed, const Tensor& prev) override;
   void feed_spec_inputs(SpecStepFeed& f) override;
+  void clear(Tensor& t) override;
   void record_step(int slot) override;
   void wait_step(int slot) override;
   void assemble_drafts(const Tensor& proposed, const Tensor& override_drafts, const Tensor& use_override,

@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "picks the draft length per step (0: a plain step) from measured step costs and acceptance")
     p.add_argument("--async-decode", action="store_true",
                    help="pipelined decoding: each decode step is launched before the host reads the one before "
-                        "(same outputs; not with --speculation adaptive)")
+                        "(same outputs)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--api-key", default=None,
