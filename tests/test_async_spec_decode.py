@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,10 +90,15 @@ def test_async_spec_equals_sync(name, kind, draft_sampling, n, tiny_model_dirs, 
     assert st["dropped_rows"] > 0
 
 
-def test_shipped_pair_accepts_and_matches():
-    """SmolLM2-135M with the shipped drafter: drafts are accepted (the device moves requests on by
-    several positions a step), and the outputs, finish reasons and acceptance equal synchronous
-    speculative decoding, greedy and sampled, with requests ending at EOS and at max_tokens."""
+DFLASH2_CANDIDATE = Path(__file__).resolve().parent.parent / "drafters" / "SmolLM2-135M-Instruct-DFlash2-candidate"
+
+
+@pytest.mark.parametrize("drafter", ["shipped", "dflash2_candidate"])
+def test_shipped_pair_accepts_and_matches(drafter):
+    """SmolLM2-135M with the shipped drafter (and the repository's trained DFlash2 candidate):
+    drafts are accepted (the device moves requests on by several positions a step), and the
+    outputs, finish reasons and acceptance equal synchronous speculative decoding, greedy and
+    sampled, with requests ending at EOS and at max_tokens."""
     from dflash.default_model import SHIPPED_DRAFTER_DIR, default_model_dir
 
     model = default_model_dir()
@@ -102,7 +108,8 @@ def test_shipped_pair_accepts_and_matches():
                  "What is the capital of France? Answer in one sentence.", "List three colors of the rainbow."]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True),
                           add_special_tokens=False) for q in questions]
-    on, off = _sessions(model, SHIPPED_DRAFTER_DIR, max_model_len=1024, max_num_seqs=4)
+    draft_dir = SHIPPED_DRAFTER_DIR if drafter == "shipped" else DFLASH2_CANDIDATE
+    on, off = _sessions(model, draft_dir, max_model_len=1024, max_num_seqs=4)
     for temperature in (0.0, 0.8):
         params = [dflash.SamplingParams(max_tokens=20 + 9 * i, temperature=temperature, seed=7 + i)
                   for i in range(len(prompts))]
