@@ -122,7 +122,7 @@ STATS_KEYS = {
     "num_requests_finished", "num_nonfinite_requests", "draft_weight_bytes", "draft_kv_cache_bytes",
     "num_speculative_tokens", "draft_sampling", "num_spec_steps", "num_drafted", "num_accepted", "acceptance_length",
     "accepted_per_position", "spec_time_s", "decode_time_s", "host_stage_s", "host_launch_s", "host_wait_s",
-    "cuda_graphs", "deterministic", "graph_batch_sizes",
+    "cuda_graphs", "async_decode", "deterministic", "graph_batch_sizes",
     "graph_capture_s",
     "graph_steps", "eager_steps", "eager_forwards", "pipelined_steps", "dropped_rows", "num_preemptions",
     "num_prefill_chunks", "num_running_requests", "num_waiting_requests", "prefix_caching", "num_cached_blocks",

@@ -59,6 +59,7 @@ COUNTERS = ("num_spec_steps", "num_drafted", "num_accepted", "accepted_per_posit
 
 def _assert_same_counters(on, off):
     s_on, s_off = on.stats(), off.stats()
+    assert s_on["async_decode"] is True and s_off["async_decode"] is False
     assert {k: s_on[k] for k in COUNTERS} == {k: s_off[k] for k in COUNTERS}
     assert s_on["pipelined_steps"] > 0 and s_off["pipelined_steps"] == 0
     for s in (s_on, s_off):

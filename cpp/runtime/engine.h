@@ -97,6 +97,7 @@ class Engine {
 
   const EngineStats& stats() const { return stats_; }
   bool cuda_graphs() const { return programs_ && programs_->graphs(); }
+  bool async_decode() const { return async_decode_; }
   // Padded batch sizes of the decode programs (empty on the CPU: no padding).
   std::vector<int64_t> graph_batch_sizes() const { return programs_ ? programs_->sizes() : std::vector<int64_t>(); }
   const Scheduler& scheduler() const { return scheduler_; }

@@ -331,6 +331,7 @@ SessionStats Session::stats() const {
   s.engine = engine_->stats();
   s.cuda_graphs = engine_->cuda_graphs();
   s.deterministic = batch_invariant_;
+  s.async_decode = engine_->async_decode();
   s.graph_batch_sizes = engine_->graph_batch_sizes();
   s.graph_capture_s = graph_capture_s_;
   if (drafter_) {

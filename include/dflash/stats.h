@@ -85,6 +85,7 @@ struct SessionStats {
   std::string draft_sampling;
   bool cuda_graphs = false;                // decode steps replay captured CUDA graphs
   bool deterministic = false;              // batch-invariant kernels (KernelOptions::batch_invariant)
+  bool async_decode = false;               // pipelined decode steps (SessionConfig::async_decode)
   std::vector<int64_t> graph_batch_sizes;  // padded batch sizes of the decode programs
   double graph_capture_s = 0.0;            // time spent capturing them at start-up
   std::string speculation;                 // "fixed" / "adaptive"; "" without a drafter
@@ -163,6 +164,7 @@ void for_each_session_stat(Fn&& fn) {
   fn("draft_sampling", &SessionStats::draft_sampling);
   fn("cuda_graphs", &SessionStats::cuda_graphs);
   fn("deterministic", &SessionStats::deterministic);
+  fn("async_decode", &SessionStats::async_decode);
   fn("graph_batch_sizes", &SessionStats::graph_batch_sizes);
   fn("graph_capture_s", &SessionStats::graph_capture_s);
   fn("speculation", &SessionStats::speculation);

@@ -549,7 +549,8 @@ class Session:
     def stats(self) -> Dict[str, Any]:
         """Memory and counters: weight/KV bytes, KV blocks (total and free), engine counters.
 
-        cuda_graphs: decode steps replay captured CUDA graphs; graph_steps / eager_steps: decode
+        cuda_graphs: decode steps replay captured CUDA graphs; async_decode: decode steps are
+        pipelined (the option of that name); graph_steps / eager_steps: decode
         steps run as graph replays / eagerly (graphs off, or the CPU); eager_forwards: eager
         ragged forwards (prefills; AR decode rows recording taps). spec_time_s: per-phase times
         of speculative decode steps, measured only when they run eagerly (the phases of a graph
