@@ -88,6 +88,85 @@ def oracle_run(session, prompts, oracle_drafts, *, max_tokens: int, ignore_eos: 
     return [session._core.take_result(i) for i in ids]
 
 
+def core_request(prompt, **sampling):
+    """A _core.RequestInput of `prompt` with these SamplingConfig fields."""
+    from dflash import _core
+
+    req = _core.RequestInput()
+    req.prompt = list(prompt)
+    sc = _core.SamplingConfig()
+    for k, v in sampling.items():
+        setattr(sc, k, v)
+    req.sampling = sc
+    return req
+
+
+def core_generate(sess, prompts, sampling) -> list[list[int]]:
+    """Runs `prompts` to completion on a _core.Session, request i with the SamplingConfig fields
+    sampling(i) (a dict); returns the token lists in order and checks that every KV block is free."""
+    ids = [sess.add_request(core_request(p, **sampling(i))) for i, p in enumerate(prompts)]
+    while sess.has_unfinished():
+        sess.step()
+    st = sess.stats()
+    assert st.num_free_blocks == st.num_blocks
+    return [list(sess.take_result(i).token_ids) for i in ids]
+
+
+def check_padded_pipelined_equals_sync(target, prompts, draft=None) -> None:
+    """The CUDA path pads decode steps to the graph sizes (the CPU's pad_decode_batches test hook
+    does the same): pipelined steps over padded batches (padding rows are not fed) equal unpadded
+    synchronous decoding while the batch shrinks (request i: 6 + 5 i tokens, seeded, T 0 / 0.6)."""
+    from dflash import _core
+
+    def run(pad, async_decode):
+        cfg = _core.SessionConfig()
+        cfg.num_threads, cfg.max_num_seqs, cfg.kv_cache_tokens = 2, 8, 4096
+        if draft is not None:
+            cfg.draft_dir = str(draft)
+        cfg.pad_decode_batches, cfg.async_decode = pad, async_decode
+        sess = _core.Session(str(target), cfg)
+        tokens = core_generate(sess, prompts, lambda i: {
+            "max_tokens": 6 + 5 * i, "temperature": 0.6 * (i % 2), "seed": 20 + i, "ignore_eos": True})
+        return tokens, sess.stats().engine.pipelined_steps
+
+    want, _ = run(False, False)
+    got, pipelined = run(True, True)
+    assert got == want and pipelined > 0
+
+
+def check_stop_strings_and_abort(on, off, prompts, max_tokens: int = 20, abort_after: int = 4) -> None:
+    """A pipelined session `on` against the same session without pipelining, `off`. Stop strings
+    (the Python side aborts a request while a step is in flight, drained first) give the same
+    tokens, texts and finish reasons. Then request 1 of `prompts` is aborted through the core API
+    after `abort_after` steps of `on`: it ends with "abort", and the others emit, step by step and
+    in their results, what `off` generates for them alone."""
+    import dflash
+
+    texts = [o.text for o in off.generate(prompts, dflash.SamplingParams(max_tokens=24, ignore_eos=True))]
+    stops = [t[len(t) // 2: len(t) // 2 + 2] for t in texts if len(t) > 4][:2]
+    params = dflash.SamplingParams(max_tokens=24, ignore_eos=True, stop=stops)
+    got = [(o.token_ids, o.text, o.finish_reason) for o in on.generate(prompts, params)]
+    assert got == [(o.token_ids, o.text, o.finish_reason) for o in off.generate(prompts, params)]
+
+    ids = [on._core.add_request(core_request(p, max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+    seen = {i: [] for i in ids}
+    steps = 0
+    while on._core.has_unfinished():
+        for out in on._core.step():
+            seen[out.request_id].extend(out.new_tokens)
+        steps += 1
+        if steps == abort_after:
+            assert on._core.abort(ids[1])
+    results = {i: on._core.take_result(i) for i in ids}
+    assert results[ids[1]].finish_reason == "abort"
+    kept = [i for k, i in enumerate(ids) if k != 1]
+    alone = off.generate([p for k, p in enumerate(prompts) if k != 1],
+                         dflash.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    for i, o in zip(kept, alone):
+        assert list(results[i].token_ids) == o.token_ids == seen[i]
+    assert on.stats()["num_free_blocks"] == on.stats()["num_blocks"]
+
+
 def assert_no_leaks(session) -> None:
     """Every KV block is back in the allocator and nothing is queued."""
     st = session.stats()

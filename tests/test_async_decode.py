@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dflash
-from dflash import _core
+from tests.runtime_helpers import check_padded_pipelined_equals_sync, check_stop_strings_and_abort
 
 NAMES = ["llama_gqa", "qwen3"]
 
@@ -76,36 +76,7 @@ def test_async_stop_strings_and_abort(tiny_model_dirs):
     target = tiny_model_dirs["qwen3"]
     on, off = _sessions(target)
     prompts = _prompts(4, seed=3)
-    # stop strings: the Python side aborts the request while a step is in flight (drained first)
-    texts = [o.text for o in off.generate(prompts, dflash.SamplingParams(max_tokens=24, ignore_eos=True))]
-    stops = [t[len(t) // 2: len(t) // 2 + 2] for t in texts if len(t) > 4][:2]
-    params = dflash.SamplingParams(max_tokens=24, ignore_eos=True, stop=stops)
-    got = [(o.token_ids, o.text, o.finish_reason) for o in on.generate(prompts, params)]
-    want = [(o.token_ids, o.text, o.finish_reason) for o in off.generate(prompts, params)]
-    assert got == want
-    # abort through the core API in the middle of pipelined decoding
-    ids = []
-    for p in prompts:
-        req = _core.RequestInput()
-        req.prompt = p
-        sc = _core.SamplingConfig()
-        sc.max_tokens, sc.ignore_eos = 20, True
-        req.sampling = sc
-        ids.append(on._core.add_request(req))
-    seen = {i: [] for i in ids}
-    steps = 0
-    while on._core.has_unfinished():
-        for out in on._core.step():
-            seen[out.request_id].extend(out.new_tokens)
-        steps += 1
-        if steps == 4:
-            assert on._core.abort(ids[1])
-    results = {i: on._core.take_result(i) for i in ids}
-    assert results[ids[1]].finish_reason == "abort"
-    alone = off.generate([prompts[0], prompts[2], prompts[3]], dflash.SamplingParams(max_tokens=20, ignore_eos=True))
-    for i, o in zip([ids[0], ids[2], ids[3]], alone):
-        assert list(results[i].token_ids) == o.token_ids == seen[i]
-    assert on.stats()["num_free_blocks"] == on.stats()["num_blocks"]
+    check_stop_strings_and_abort(on, off, prompts)
 
 
 def test_async_decode_must_be_a_bool(tiny_model_dirs):
@@ -114,30 +85,5 @@ def test_async_decode_must_be_a_bool(tiny_model_dirs):
 
 
 def test_async_with_padded_batches(tiny_model_dirs):
-    """The CUDA path pads decode steps to the graph sizes (the CPU's pad_decode_batches test
-    hook does the same): pipelined steps over padded batches (padding rows take no fed anchor)
-    equal unpadded synchronous decoding while the batch shrinks (3 of 5 requests)."""
-    target = tiny_model_dirs["qwen3"]
-
-    def run(pad, async_decode):
-        cfg = _core.SessionConfig()
-        cfg.num_threads, cfg.max_num_seqs, cfg.kv_cache_tokens = 2, 8, 4096
-        cfg.pad_decode_batches, cfg.async_decode = pad, async_decode
-        sess = _core.Session(str(target), cfg)
-        ids = []
-        for i, p in enumerate(_prompts(5, seed=4)):
-            req = _core.RequestInput()
-            req.prompt = p
-            sc = _core.SamplingConfig()
-            sc.max_tokens, sc.temperature, sc.seed, sc.ignore_eos = 6 + 5 * i, 0.6 * (i % 2), 20 + i, True
-            req.sampling = sc
-            ids.append(sess.add_request(req))
-        while sess.has_unfinished():
-            sess.step()
-        st = sess.stats()
-        assert st.num_free_blocks == st.num_blocks
-        return [list(sess.take_result(i).token_ids) for i in ids], st.engine.pipelined_steps
-
-    want, _ = run(False, False)
-    got, pipelined = run(True, True)
-    assert got == want and pipelined > 0
+    """Pipelined steps over padded batches (padding rows take no fed anchor), as CUDA runs them."""
+    check_padded_pipelined_equals_sync(tiny_model_dirs["qwen3"], _prompts(5, seed=4))

@@ -22,7 +22,8 @@ import pytest
 
 import dflash
 from dflash import _core
-from tests.runtime_helpers import small_dflash2
+from tests.runtime_helpers import (check_padded_pipelined_equals_sync, check_stop_strings_and_abort, core_generate,
+                                   small_dflash2)
 
 NAMES = ["llama_gqa", "qwen3"]
 
@@ -157,18 +158,9 @@ def test_shipped_pair_adaptive_schedule():
         cfg.spec_cost_table = [[1, 1.0, 1.0, 1.0, 1.0]]
         cfg.spec_length_schedule = [0, 7, 3, 0, 7, 1, 7, 7]
         sess = _core.Session(str(model), cfg)
-        ids = []
-        for i, p in enumerate(prompts):
-            req = _core.RequestInput()
-            req.prompt = p
-            sc = _core.SamplingConfig()
-            sc.max_tokens, sc.temperature, sc.seed, sc.ignore_eos = 40, temperature, 11 + i, True
-            req.sampling = sc
-            ids.append(sess.add_request(req))
-        while sess.has_unfinished():
-            sess.step()
-        e = sess.stats().engine
-        return [list(sess.take_result(i).token_ids) for i in ids], e
+        tokens = core_generate(sess, prompts, lambda i: {
+            "max_tokens": 40, "temperature": temperature, "seed": 11 + i, "ignore_eos": True})
+        return tokens, sess.stats().engine
 
     for temperature in (0.0, 0.8):
         (got, e_on), (want, e_off) = run(True, temperature), run(False, temperature)
@@ -192,69 +184,14 @@ def test_async_spec_stop_strings_and_abort(tiny_model_dirs, tmp_path):
     target = tiny_model_dirs["qwen3"]
     on, off = _sessions(target, _drafter(tmp_path, target, "dflash2"))
     prompts = _prompts(4, seed=3)
-    # stop strings: the Python side aborts the request while a step is in flight (drained first)
-    texts = [o.text for o in off.generate(prompts, dflash.SamplingParams(max_tokens=24, ignore_eos=True))]
-    stops = [t[len(t) // 2: len(t) // 2 + 2] for t in texts if len(t) > 4][:2]
-    params = dflash.SamplingParams(max_tokens=24, ignore_eos=True, stop=stops)
-    got = [(o.token_ids, o.text, o.finish_reason) for o in on.generate(prompts, params)]
-    want = [(o.token_ids, o.text, o.finish_reason) for o in off.generate(prompts, params)]
-    assert got == want
-    # abort through the core API in the middle of pipelined decoding
-    ids = []
-    for p in prompts:
-        req = _core.RequestInput()
-        req.prompt = p
-        sc = _core.SamplingConfig()
-        sc.max_tokens, sc.ignore_eos = 20, True
-        req.sampling = sc
-        ids.append(on._core.add_request(req))
-    seen = {i: [] for i in ids}
-    steps = 0
-    while on._core.has_unfinished():
-        for out in on._core.step():
-            seen[out.request_id].extend(out.new_tokens)
-        steps += 1
-        if steps == 4:
-            assert on._core.abort(ids[1])
-    results = {i: on._core.take_result(i) for i in ids}
-    assert results[ids[1]].finish_reason == "abort"
-    alone = off.generate([prompts[0], prompts[2], prompts[3]], dflash.SamplingParams(max_tokens=20, ignore_eos=True))
-    for i, o in zip([ids[0], ids[2], ids[3]], alone):
-        assert list(results[i].token_ids) == o.token_ids == seen[i]
+    check_stop_strings_and_abort(on, off, prompts)
     assert on.stats()["pipelined_steps"] > 0
-    assert on.stats()["num_free_blocks"] == on.stats()["num_blocks"]
 
 
 def test_async_spec_with_padded_batches(tiny_model_dirs, tmp_path):
-    """The CUDA path pads decode steps to the graph sizes (the CPU's pad_decode_batches test hook
-    does the same): pipelined speculative steps over padded batches (padding rows are not fed)
-    equal unpadded synchronous decoding while the batch shrinks (3 of 5 requests)."""
+    """Pipelined speculative steps over padded batches (padding rows are not fed), as CUDA runs them."""
     target = tiny_model_dirs["qwen3"]
-    draft = _drafter(tmp_path, target, "dflash")
-
-    def run(pad, async_decode):
-        cfg = _core.SessionConfig()
-        cfg.num_threads, cfg.max_num_seqs, cfg.kv_cache_tokens = 2, 8, 4096
-        cfg.draft_dir = str(draft)
-        cfg.pad_decode_batches, cfg.async_decode = pad, async_decode
-        sess = _core.Session(str(target), cfg)
-        ids = []
-        for i, p in enumerate(_prompts(5, seed=4)):
-            req = _core.RequestInput()
-            req.prompt = p
-            sc = _core.SamplingConfig()
-            sc.max_tokens, sc.temperature, sc.seed, sc.ignore_eos = 6 + 5 * i, 0.6 * (i % 2), 20 + i, True
-            req.sampling = sc
-            ids.append(sess.add_request(req))
-        while sess.has_unfinished():
-            sess.step()
-        st = sess.stats()
-        assert st.num_free_blocks == st.num_blocks
-        return [list(sess.take_result(i).token_ids) for i in ids], st.engine.pipelined_steps
-
-    want, _ = run(False, False)
-    got, pipelined = run(True, True)
-    assert got == want and pipelined > 0
+    check_padded_pipelined_equals_sync(target, _prompts(5, seed=4), _drafter(tmp_path, target, "dflash"))
 
 
 def test_async_with_adaptive_speculation(tiny_model_dirs, tmp_path):
@@ -280,21 +217,11 @@ def test_async_with_adaptive_speculation(tiny_model_dirs, tmp_path):
         runs = []
         for async_decode in (True, False):
             sess = core(async_decode)
-            ids = []
-            for i, p in enumerate(prompts):
-                req = _core.RequestInput()
-                req.prompt = p
-                sc = _core.SamplingConfig()
-                sc.max_tokens, sc.temperature, sc.seed, sc.ignore_eos = 10 + 4 * i, temperature, 30 + i, True
-                req.sampling = sc
-                ids.append(sess.add_request(req))
-            while sess.has_unfinished():
-                sess.step()
-            runs.append([list(sess.take_result(i).token_ids) for i in ids])
-            st = sess.stats()
-            assert st.num_free_blocks == st.num_blocks
+            runs.append(core_generate(sess, prompts, lambda i, t=temperature: {
+                "max_tokens": 10 + 4 * i, "temperature": t, "seed": 30 + i, "ignore_eos": True}))
             if async_decode:
-                assert st.engine.pipelined_steps > 0 and st.engine.spec_length_steps[0] > 0
+                e = sess.stats().engine
+                assert e.pipelined_steps > 0 and e.spec_length_steps[0] > 0
         assert runs[0] == runs[1], f"T={temperature}"
     # the policy on a table where speculation pays for one request, not for three or more
     table = {"batch_sizes": [1, 3], "lengths": [0, 1, 3], "seconds": [[1.0, 1.0, 1.0], [1.0, 6.0, 6.0]]}

@@ -15,6 +15,7 @@ import dflash
 from dflash import _core
 from tests.gpu.gpu_helpers import gpu_dflash2
 from tests.gpu.session_runs import tiny_drafter
+from tests.runtime_helpers import core_generate
 
 pytestmark = pytest.mark.skipif(not _core.cuda_usable(), reason="needs the CUDA backend and a Hopper GPU")
 
@@ -71,19 +72,9 @@ def test_cuda_async_adaptive_schedule(graphs, tiny_model_dirs, tmp_path):
         cfg.spec_cost_table = [[1, 1.0, 1.0, 1.0, 1.0]]
         cfg.spec_length_schedule = [0, 7, 3, 0, 7, 1, 7, 7]
         sess = _core.Session(str(target), cfg)
-        ids = []
-        for i, p in enumerate(_prompts(5, seed=9)):
-            req = _core.RequestInput()
-            req.prompt = p
-            sc = _core.SamplingConfig()
-            sc.max_tokens, sc.temperature, sc.seed, sc.ignore_eos = 12 + 5 * i, temperature, 40 + i, True
-            req.sampling = sc
-            ids.append(sess.add_request(req))
-        while sess.has_unfinished():
-            sess.step()
-        st = sess.stats()
-        assert st.num_free_blocks == st.num_blocks
-        return [list(sess.take_result(i).token_ids) for i in ids], st.engine.pipelined_steps
+        tokens = core_generate(sess, _prompts(5, seed=9), lambda i: {
+            "max_tokens": 12 + 5 * i, "temperature": temperature, "seed": 40 + i, "ignore_eos": True})
+        return tokens, sess.stats().engine.pipelined_steps
 
     for temperature in (0.0, 0.9):
         (got, pipelined), (want, _) = run(True, temperature), run(False, temperature)
