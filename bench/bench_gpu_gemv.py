@@ -43,6 +43,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_common  # noqa: E402
+
 H, INTER, VOCAB, LAYERS = 4096, 12288, 151936, 36
 TARGET_SHAPES = [  # name, N, K, fp32 out
     ("qkv", 6144, H, False),
@@ -110,35 +113,12 @@ def copy_bandwidth():
 
 def graph_time(calls, trials, replays=3):
     """Seconds per replay of one CUDA graph of `calls` (best of `trials`), or None if one fails."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
     try:
-        with torch.cuda.stream(side):  # warm-up: cuBLASLt plans, lazy module loads
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in calls:
-                c()
+        return gpu_common.graph_time(calls, trials=trials, replays=replays, best=True)
     except Exception as e:  # noqa: BLE001 - e.g. a torch without torch.mm(out_dtype=...)
         print(f"  ({type(e).__name__}: {e})", flush=True)
         torch.cuda.synchronize()
         return None
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(trials):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(replays):
-            g.replay()
-        e.record()
-        e.synchronize()
-        best = min(best, s.elapsed_time(e) / 1e3 / replays)
-    del g
-    return best
 
 
 def figure(seconds, weight_bytes, copy_bw):
