@@ -214,9 +214,13 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   __shared__ __align__(16) float red_s[4][RB][HD];
   static_assert((2 * kMaxSplits + 1) * RB <= 4 * RB * HD, "the combine's weights fit in red_s");
 
-  // ROPE waits for the kernel before it further down: what is read before that, the batch's
-  // metadata (the step's input copy) and the K/V of earlier steps, no kernel of this step writes
-  // (the kernel before this one writes only qkv).
+  // ROPE waits for the kernel before it further down. What it reads before that (the batch's
+  // metadata, the block table, the K/V of earlier steps) the kernel right before it (the QKV GEMM,
+  // which writes only qkv) does not write; kernels of this step that do write them (the pipelined
+  // step's feed_spec_inputs: kv_len, positions, slots; the drafter's context update: its pools)
+  // run before that GEMM, which waits for them before it lets this kernel launch. So no kernel
+  // that triggers its dependents before waiting (l2_prefetch) may sit alone between such a writer
+  // and this kernel.
   if constexpr (!ROPE) detail::pdl_begin();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int seq = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
@@ -247,7 +251,10 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
     detail::pdl_begin();
     // This CTA's new tokens: queries [new0, new1), keys first_new + i in [c0, c1).
     const int first_new = kv_len - num_q;
-    const int new0 = max(c0 - first_new, 0), new1 = min(c1 - first_new, num_q);
+    // new1 is clamped to new0: a split whose keys all precede the new tokens (c1 <= first_new,
+    // every split but the last ones at long contexts) has none, and a negative count would make
+    // rope_prologue's units = rows + 2 (new1 - new0) smaller than rows, leaving queries unbuilt.
+    const int new0 = max(c0 - first_new, 0), new1 = max(min(c1 - first_new, num_q), new0);
     rope_prologue<HD>(p, q_begin, group, rows, kv_head, new0, new1, sm);
     __syncthreads();  // the new keys are in the pools and in kn / vn, qb is complete
     // The first pass read the new keys before they were written: their shared copies replace them.

@@ -278,9 +278,11 @@ cudaError_t decode_attention(const PagedAttentionArgs& args, cudaStream_t stream
 // decode_attention with qkv_norm_rope_write fused into it (the CUDA-core kernel only: at most 16
 // rows per (sequence, KV head); head_dim 64 or 128): args.q is unused; the queries are built from
 // qkv [T, (nh + 2 nkv) hd] (per-head RMSNorm with q_norm when set, RoPE at positions[T]), and the
-// K (k_norm, RoPE) and V of every token go into args' pools at slots[T] (negative: not written)
-// before its key is read. Token t must be the key at position kv_len - num_q + i of its sequence
-// (i its index among the sequence's queries), the ragged layout's invariant. The queries, the
+// K (k_norm, RoPE) and V of every token of a sequence go into args' pools at slots[T] (negative:
+// not written) before its key is read. Token t must be the key at position kv_len - num_q + i of
+// its sequence (i its index among the sequence's queries), the ragged layout's invariant; unlike
+// qkv_norm_rope_write, tokens outside every sequence's query range (and sequences whose kv_len is
+// below their query count) are not written. The queries, the
 // pools and the output have the bits of qkv_norm_rope_write followed by decode_attention.
 struct DecodeRopeArgs {
   const __nv_bfloat16* qkv = nullptr;     // [T, (nh + 2 nkv) hd]
