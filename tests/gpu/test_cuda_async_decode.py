@@ -37,8 +37,13 @@ def test_cuda_async_equals_sync(name, draft, graphs, tiny_model_dirs, tmp_path):
         dr = str(tiny_drafter(tmp_path / "d", target))
     elif draft == "dflash2":
         dr = str(gpu_dflash2(tmp_path, target, block_size=8))
-    on = dflash.Session(target, device="cuda", async_decode=True, cuda_graphs=graphs, draft=dr, **KV)
-    off = dflash.Session(target, device="cuda", cuda_graphs=graphs, draft=dr, **KV)
+    # A pipelined step still carries the rows of requests that ended a step earlier, so a request can
+    # run in another padded batch size than without pipelining; the default kernels are not
+    # batch-invariant (a near-tie can flip), so the speculative runs use the batch-invariant kernels.
+    # (Target-only keeps the default kernels, as it did when it passed on the H200.)
+    kw = dict(KV, deterministic=draft is not None)
+    on = dflash.Session(target, device="cuda", async_decode=True, cuda_graphs=graphs, draft=dr, **kw)
+    off = dflash.Session(target, device="cuda", cuda_graphs=graphs, draft=dr, **kw)
     for n, temperature in [(1, 0.0), (3, 0.0), (5, 0.9), (11, 0.0)]:
         prompts = _prompts(n, seed=n)
         probe = off.generate(prompts, dflash.SamplingParams(max_tokens=30, ignore_eos=True))
@@ -61,7 +66,9 @@ def test_cuda_async_equals_sync(name, draft, graphs, tiny_model_dirs, tmp_path):
 def test_cuda_async_adaptive_schedule(graphs, tiny_model_dirs, tmp_path):
     """Adaptive speculation pipelined on CUDA under a forced schedule mixing AR steps (n = 0, whose
     program leaves its accepted count at zero for the next step's feed) and draft lengths: the
-    same tokens as without pipelining, greedy and seeded."""
+    same tokens as without pipelining, greedy and seeded. (The random drafter's drafts are rarely
+    accepted, so a missing clear of the accepted counts may go unseen here; the CPU test with the
+    shipped SmolLM2 pair, tests/test_async_spec_decode.py, is the one that catches it.)"""
     target = tiny_model_dirs["qwen3_hd128"]
     draft = tiny_drafter(tmp_path / "d", target)  # block 8: lengths 0..7
 
@@ -71,6 +78,7 @@ def test_cuda_async_adaptive_schedule(graphs, tiny_model_dirs, tmp_path):
         cfg.draft_dir, cfg.speculation, cfg.async_decode = str(draft), "adaptive", async_decode
         cfg.spec_cost_table = [[1, 1.0, 1.0, 1.0, 1.0]]
         cfg.spec_length_schedule = [0, 7, 3, 0, 7, 1, 7, 7]
+        cfg.batch_invariant = True  # padded batch sizes differ with pipelining (see above)
         sess = _core.Session(str(target), cfg)
         tokens = core_generate(sess, _prompts(5, seed=9), lambda i: {
             "max_tokens": 12 + 5 * i, "temperature": temperature, "seed": 40 + i, "ignore_eos": True})
