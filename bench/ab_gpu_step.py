@@ -35,7 +35,7 @@ RESULT_NAME = "gpu_h200_qwen3_8b.json"  # what bench_gpu_qwen3.py writes into it
 
 
 # bench_gpu_qwen3.py flags a variant may add (session options, not environment switches).
-BENCH_FLAGS = ("--async-decode",)
+BENCH_FLAGS = ("--async-decode", "--draft-head=fp8")
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:

@@ -243,8 +243,13 @@ def write_random_drafter(out: Path, target_cfg: dict, seed: int = 1, device: str
     return dtype
 
 
+def default_sessions(args) -> bool:
+    """Whether the sessions are the defaults the headline keys describe (no --async-decode, exact head)."""
+    return not getattr(args, "async_decode", False) and getattr(args, "draft_head", "exact") == "exact"
+
+
 def make_session(model_dir: Path, *, draft_dir: Path | None, graphs: bool | None, kv: dict, max_num_seqs: int,
-                 async_decode: bool = False):
+                 async_decode: bool = False, draft_head: str = "exact"):
     """A _core.Session on the GPU with an explicit KV cache; returns (session, graphs_option_present)."""
     from dflash import _core
 
@@ -258,6 +263,8 @@ def make_session(model_dir: Path, *, draft_dir: Path | None, graphs: bool | None
         cfg.draft_dir = str(draft_dir)
     if async_decode:
         cfg.async_decode = True
+    if draft_dir is not None:
+        cfg.draft_head = draft_head
     present = hasattr(cfg, "cuda_graphs")
     if present and graphs is not None:
         cfg.cuda_graphs = graphs
@@ -432,7 +439,8 @@ class Run:
                  f"estimated, {free / 2**30:.1f} GiB free")
         t = time.perf_counter()
         sess, present = make_session(model_dir, draft_dir=draft_dir if spec else None, graphs=graphs, kv=kv,
-                                     max_num_seqs=self.max_num_seqs, async_decode=self.args.async_decode)
+                                     max_num_seqs=self.max_num_seqs, async_decode=self.args.async_decode,
+                                     draft_head=self.args.draft_head)
         info["load_s"] = time.perf_counter() - t
         info["stats_after_load"] = core_stats(sess)
         self.res.setdefault("sessions", {})[f"{mode}_{label}"] = info
@@ -511,7 +519,7 @@ class Run:
         if "ar_speedup_vs_hf_static_compile_bs1" in r:  # measured in this run: no separate stamp
             head["ar_speedup_vs_hf_static_compile_bs1"] = r["ar_speedup_vs_hf_static_compile_bs1"]
         head = {k: v for k, v in head.items() if v is not None}
-        if getattr(self.args, "async_decode", False):  # not the default sessions: no headline keys
+        if not default_sessions(self.args):  # no headline keys
             self.res["headline_file"] = None
         elif head:
             self.res["headline_file"] = str(update_headline(self.out_dir, head))
@@ -567,7 +575,7 @@ class Run:
         self.res["config"] = {"target": {**QWEN3_8B, "tie_word_embeddings": False, "dtype": "bfloat16"},
                               "drafter": DRAFTER, "batches": a.batches, "contexts": a.contexts, "steps": a.steps,
                               "warmup": a.warmup, "sections": a.sections, "budget_s": a.budget_s,
-                              "async_decode": a.async_decode}
+                              "async_decode": a.async_decode, "draft_head": a.draft_head}
         self.res["method"] = __doc__
         self.save()
         import torch
@@ -739,6 +747,9 @@ def parse_args(argv=None):
     ap.add_argument("--keep-models", action="store_true", help="do not delete the temp dir of the random models")
     ap.add_argument("--async-decode", action="store_true",
                     help="our sessions pipeline their steps (async_decode=True); the headline file is left alone")
+    ap.add_argument("--draft-head", default="exact", choices=["exact", "fp8"],
+                    help="the drafter's LM-head copy in the speculative sessions (fp8: the headline file is left "
+                         "alone)")
     ap.add_argument("--self-check", action="store_true", help="pure-Python checks of the formulas; no GPU")
     ap.add_argument("--rederive", default=None, metavar="JSON",
                     help="recompute the derived figures, plot and headline of a saved result (no GPU)")

@@ -118,8 +118,14 @@ def test_ab_variants_parse():
             ab.parse_variant(bad)
     label, env = ab.parse_variant("pipe=--async-decode,DFLASH_ROPE_ATTENTION=1")
     assert label == "pipe" and ab.split_variant(env) == ({"DFLASH_ROPE_ATTENTION": "1"}, ["--async-decode"])
+    label, env = ab.parse_variant("fp8head=--draft-head=fp8")
+    assert ab.split_variant(env) == ({}, ["--draft-head=fp8"])
     q = _bench_module("bench_gpu_qwen3")
     assert q.parse_args(["--async-decode"]).async_decode and not q.parse_args([]).async_decode
+    assert q.parse_args(["--draft-head=fp8"]).draft_head == "fp8" and q.parse_args([]).draft_head == "exact"
+    assert q.default_sessions(q.parse_args([]))
+    assert not q.default_sessions(q.parse_args(["--draft-head=fp8"]))
+    assert not q.default_sessions(q.parse_args(["--async-decode"]))
 
 
 def test_ab_summary_medians_and_ratios():

@@ -37,17 +37,6 @@ DFlash2Drafter::DFlash2Drafter(const DraftConfig& config, const std::string& dra
   hidden_projection_ = load("candidate_selector.hidden_projection.weight", {rank, h});
 }
 
-void DFlash2Drafter::set_draft_head_fp8() {
-  if (!fp8_head_.empty()) return;
-  try {
-    fp8_head_ = backend_.fp8_rows(target_.lm_head());
-  } catch (const Error& e) {
-    throw Error(detail::concat(config_.path, ": draft_head='fp8' cannot run on the ", backend_.name(),
-                               " backend: ", e.what()));
-  }
-  weight_bytes_ += fp8_head_.nbytes();
-}
-
 void DFlash2Drafter::conv_prepare(const Conv& conv, const Tensor& x, int64_t block, Tensor& deltas, Tensor& out) {
   backend_.linear(x, conv.projection, deltas);
   backend_.grouped_conv(x, conv.base, deltas, 0, block, config_.dflash2.conv_group_size, /*accumulate=*/false, out);
@@ -107,10 +96,7 @@ void DFlash2Drafter::propose(const DeviceBatch& batch, KVPool& pool, const Tenso
                    out.realized.numel() == rows * k,
                "DFlash2 propose: ", rows, " draft rows for ", r, " requests, outputs drafts ",
                shape_str(out.drafts.shape), " cand_ids ", shape_str(out.cand_ids.shape));
-  const DType dt = backend_.compute_dtype();
-  Tensor normed = backbone(batch, pool);
-  Tensor picked = backend_.empty({rows, geometry_.hidden}, dt);
-  backend_.gather_rows(normed, batch.logit_rows, picked);
+  Tensor picked = logit_row_states(backend_, backbone(batch, pool), batch);
   // Candidates: top-K of the target's LM head per slot; unary = the K values scaled and capped.
   const float multiplier = static_cast<float>(c.output_multiplier);
   const float softcap = static_cast<float>(c.final_logit_softcapping);

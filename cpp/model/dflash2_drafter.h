@@ -26,10 +26,6 @@ class DFlash2Drafter : public DFlashDrafter {
   int64_t proposal_width() const override { return config_.dflash2.selector_top_k; }
   void propose(const DeviceBatch& batch, KVPool& pool, const Tensor& anchors, const Tensor& params,
                DraftOutputs& out) override;
-  // draft_head="fp8": builds the FP8 copy of the target's LM head once (counted in
-  // weight_bytes()); propose() then picks candidates on it and re-scores them exactly. Throws
-  // Error, naming this drafter and the backend, when the backend cannot run the FP8 head.
-  void set_draft_head_fp8();
   // draft_sampling="greedy": the argmax walk at every temperature, proposed one-hot (realized rows
   // 0 at the draft, -inf elsewhere), so T > 0 verification accepts a draft with p(draft).
   void set_greedy_walk(bool on) { greedy_walk_ = on; }
@@ -54,7 +50,6 @@ class DFlash2Drafter : public DFlashDrafter {
   Tensor pred_codebook_;      // A [V, r]
   Tensor succ_codebook_;      // B [V, r]
   Tensor hidden_projection_;  // [r, H]
-  Fp8Weight fp8_head_;        // the LM head's FP8 copy [V, H] (empty: candidates on the exact head)
   bool greedy_walk_ = false;  // the argmax walk at every temperature (draft_sampling="greedy")
 };
 

@@ -164,6 +164,23 @@ Tensor DFlashDrafter::draft(const DeviceBatch& batch, KVPool& pool, DType logits
 
 Tensor DFlashDrafter::draft_logits(const DeviceBatch& batch, KVPool& pool) { return draft(batch, pool, DType::kF32); }
 
+void DFlashDrafter::set_draft_head_fp8() {
+  if (!fp8_head_.empty()) return;
+  try {
+    fp8_head_ = backend_.fp8_rows(target_.lm_head());
+  } catch (const Error& e) {
+    throw Error(detail::concat(config_.path, ": draft_head='fp8' cannot run on the ", backend_.name(),
+                               " backend: ", e.what()));
+  }
+  weight_bytes_ += fp8_head_.nbytes();
+}
+
+Tensor DFlashDrafter::fp8_draft_logits(const DeviceBatch& batch, KVPool& pool) {
+  Tensor logits = backend_.empty({batch.num_logit_rows(), target_.lm_head().dim(0)}, DType::kF32);
+  backend_.linear_fp8(logit_row_states(backend_, backbone(batch, pool), batch), fp8_head_, logits);
+  return logits;
+}
+
 void DFlashDrafter::set_probabilistic(bool on) {
   DFLASH_ARG_CHECK(!on || config_.arch == DraftArch::kDFlash, config_.path,
                    ": draft_sampling='probabilistic' applies to DFlash (v1) drafters; a DFlash2 drafter walks its "
@@ -175,11 +192,13 @@ void DFlashDrafter::propose(const DeviceBatch& batch, KVPool& pool, const Tensor
                             DraftOutputs& out) {
   Tensor drafts = out.drafts.reshape({out.drafts.numel()});
   if (!probabilistic_) {
-    backend_.argmax(draft(batch, pool, backend_.compute_dtype()), drafts);
+    backend_.argmax(fp8_head_.empty() ? draft(batch, pool, backend_.compute_dtype()) : fp8_draft_logits(batch, pool),
+                    drafts);
     return;
   }
   const int64_t rows = batch.num_logit_rows(), n = rows / batch.meta.num_seqs;
-  Tensor logits = draft(batch, pool, DType::kF32);
+  // The proposal q is the distribution the drafts are drawn from: the FP8 head's logits when it is on.
+  Tensor logits = fp8_head_.empty() ? draft(batch, pool, DType::kF32) : fp8_draft_logits(batch, pool);
   DFLASH_CHECK(out.realized.numel() == logits.numel(), "probabilistic drafts: the proposal buffer holds ",
                out.realized.numel(), " values for ", shape_str(logits.shape), " logits");
   backend_.sample_drafts(logits, params, n, drafts);

@@ -38,6 +38,13 @@ class DFlashDrafter : public Drafter {
   // probabilistic drafts, a draw from softmax(logits / T) per draft at T > 0 (on its own random
   // stream), the logits [R, n, V] being the proposal (ProposalKind::kDense).
   void set_probabilistic(bool on);
+  // draft_head="fp8": builds the FP8 copy of the target's LM head once (counted in
+  // weight_bytes()). DFlash drafts are then taken from the logits of that copy (their argmax, or
+  // with probabilistic drafts the draw and its proposal rows, which stay the distribution the
+  // draft was drawn from, so verification is exact either way); DFlash2 picks its candidates on
+  // it and re-scores them on the exact head. draft_logits() stays on the exact head. Throws
+  // Error, naming this drafter and the backend, when the backend cannot run the FP8 head.
+  void set_draft_head_fp8();
   ProposalKind proposal_kind() const override { return probabilistic_ ? ProposalKind::kDense : ProposalKind::kOneHot; }
   int64_t proposal_width() const override { return probabilistic_ ? target_.config().vocab_size : 0; }
   void propose(const DeviceBatch& batch, KVPool& pool, const Tensor& anchors, const Tensor& params,
@@ -55,6 +62,8 @@ class DFlashDrafter : public Drafter {
   virtual Tensor backbone(const DeviceBatch& batch, KVPool& pool);
   // The attention mask of layer l within the batch's metadata.
   AttentionMeta layer_meta(const DeviceBatch& batch, size_t l) const;
+  // The draft rows' logits [logit_rows, V] (fp32) on the FP8 head (set_draft_head_fp8).
+  Tensor fp8_draft_logits(const DeviceBatch& batch, KVPool& pool);
 
   DraftConfig config_;
   LayerGeometry geometry_;
@@ -69,6 +78,7 @@ class DFlashDrafter : public Drafter {
   Tensor k_norm_stacked_;  // [L * hd] or empty
   size_t weight_bytes_ = 0;
   bool probabilistic_ = false;
+  Fp8Weight fp8_head_;  // the LM head's FP8 copy [V, H] (empty: drafts on the exact head)
 };
 
 }  // namespace dflash

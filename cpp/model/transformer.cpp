@@ -107,18 +107,18 @@ ForwardResult Transformer::forward(const DeviceBatch& batch, KVPool& pool) {
   return result;
 }
 
+Tensor logit_row_states(Backend& backend, const Tensor& normed, const DeviceBatch& batch) {
+  if (batch.all_logit_rows) return normed;
+  Tensor picked = backend.empty({batch.num_logit_rows(), normed.dim(1)}, normed.dtype);
+  if (picked.dim(0) > 0) backend.gather_rows(normed, batch.logit_rows, picked);
+  return picked;
+}
+
 Tensor lm_head_rows(Backend& backend, const Tensor& lm_head, const Tensor& normed, const DeviceBatch& batch,
                     DType logits_dtype) {
-  const int64_t n = batch.num_logit_rows(), h = normed.dim(1);
-  Tensor logits = backend.empty({n, lm_head.dim(0)}, logits_dtype);
-  if (n == 0) return logits;
-  if (batch.all_logit_rows) {
-    backend.linear(normed, lm_head, logits);
-  } else {
-    Tensor picked = backend.empty({n, h}, normed.dtype);
-    backend.gather_rows(normed, batch.logit_rows, picked);
-    backend.linear(picked, lm_head, logits);
-  }
+  Tensor logits = backend.empty({batch.num_logit_rows(), lm_head.dim(0)}, logits_dtype);
+  if (logits.dim(0) == 0) return logits;
+  backend.linear(logit_row_states(backend, normed, batch), lm_head, logits);
   return logits;
 }
 

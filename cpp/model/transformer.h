@@ -59,6 +59,9 @@ TensorShapes transformer_tensors(const ModelConfig& config);
 // or a missing or misshapen one is a dflash::Error naming it. Allocates nothing.
 void transformer_check_checkpoint(const ModelConfig& config, const Checkpoint& ckpt);
 
+// The normed rows [N, H] of batch.logit_rows (normed itself when the batch wants all rows).
+Tensor logit_row_states(Backend& backend, const Tensor& normed, const DeviceBatch& batch);
+
 // logits[N, V] (logits_dtype) = normed rows of batch.logit_rows (or all rows) @ lm_head[V, H]^T.
 Tensor lm_head_rows(Backend& backend, const Tensor& lm_head, const Tensor& normed, const DeviceBatch& batch,
                     DType logits_dtype);

@@ -110,7 +110,7 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
   DFLASH_ARG_CHECK(config.draft_head == "exact" || config.draft_head == "fp8",
                    "draft_head must be 'exact' or 'fp8', got '", config.draft_head, "'");
   DFLASH_ARG_CHECK(config.draft_head == "exact" || !config.draft_dir.empty(),
-                   "draft_head='fp8' needs a DFlash2 draft model (it picks DFlash2 candidates)");
+                   "draft_head='fp8' needs a draft model (it is the drafter's copy of the LM head)");
   config_ = model_config_load(model_dir);
   int threads = config.num_threads > 0
                     ? config.num_threads
@@ -122,8 +122,6 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
     draft_config = draft_config_load(config.draft_dir);
     draft_config_check_target(draft_config, config_, model_dir);
     taps = draft_config.target_layer_ids;
-    DFLASH_ARG_CHECK(config.draft_head == "exact" || draft_config.arch == DraftArch::kDFlash2, config.draft_dir,
-                     ": draft_head='fp8' picks DFlash2 candidates; this is a DFlash (v1) drafter");
     const int64_t n = config.num_speculative_tokens;
     DFLASH_ARG_CHECK(n >= 0 && n <= draft_config.block_size - 1, "num_speculative_tokens must be in [1, ",
                      draft_config.block_size - 1, "] for a drafter of block_size ", draft_config.block_size,
@@ -187,9 +185,9 @@ Session::Session(const std::string& model_dir, const SessionConfig& config)
     draft_sampling_ = is_v1 ? (probabilistic ? "probabilistic" : "greedy") : (greedy_walk ? "greedy_walk" : "walk");
   }
   if (config.draft_head == "fp8") {
-    auto* v2 = dynamic_cast<DFlash2Drafter*>(drafter_.get());
-    DFLASH_ARG_CHECK(v2 != nullptr, config.draft_dir, ": draft_head='fp8' needs a DFlash2 drafter");
-    v2->set_draft_head_fp8();  // before the KV cache is sized: its bytes come out of the budget
+    auto* drafter = dynamic_cast<DFlashDrafter*>(drafter_.get());  // DFlash and DFlash2
+    DFLASH_CHECK(drafter != nullptr, config.draft_dir, ": draft_head='fp8': a drafter that is not a DFlashDrafter");
+    drafter->set_draft_head_fp8();  // before the KV cache is sized: its bytes come out of the budget
   }
   if (backend_->kind() == DeviceKind::kCPU) {
     checkpoint_.reset();  // weights were copied to fp32; drop the mappings

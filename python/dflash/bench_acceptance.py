@@ -492,7 +492,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DFlash (v1) drafts: sampled from the drafter at T > 0 (auto, the default, and "
                         "probabilistic) or the argmax at every temperature (greedy)")
     p.add_argument("--draft-head", default="exact", choices=["exact", "fp8"],
-                   help="DFlash2 drafters: the LM head that picks the K candidates (exact, or its FP8 copy)")
+                   help="the LM head the drafter drafts on (exact, or its FP8 copy; DFlash2: the one that "
+                        "picks the K candidates)")
     p.add_argument("--seed", type=int, default=0, help="base of the per-request seeds")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up requests (default 1)")
     p.add_argument("--out", default=None, help="write the results as JSON here")

@@ -80,6 +80,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         kwargs["num_threads"] = args.threads
     if args.async_decode:
         kwargs["async_decode"] = True
+    if args.draft_head is not None:
+        kwargs["draft_head"] = args.draft_head
     # model None: the default model; the drafter follows Session's rule (resolve_draft).
     session = dflash.Session(args.model, draft=args.draft, device=args.device,
                              max_model_len=args.max_model_len, **kwargs)
@@ -422,6 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--async-decode", action="store_true",
                    help="pipelined decoding: each decode step is launched before the host reads the one before "
                         "(same outputs)")
+    g.add_argument("--draft-head", default=None, choices=["exact", "fp8"],
+                   help="the LM-head copy the drafter drafts on: exact (default) or fp8 (an FP8 copy made at load: fewer bytes per draft step; verification stays exact)")
     g.add_argument("--json", action="store_true", help="one JSON object per output")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     g.set_defaults(func=_cmd_generate)

@@ -121,13 +121,16 @@ class Session:
         takes the argmax walk at every temperature (one-hot proposals); at T = 0 both are the
         greedy walk. "probabilistic" with a DFlash2 drafter is a ValueError.
         `stats()["draft_sampling"]` names what runs ("walk" or "greedy_walk" for DFlash2).
-    draft_head: DFlash2 drafters only, how each draft slot's K candidates are picked: "exact"
-        (default: the top-K of the target's LM head) or "fp8" (the top-K of an FP8 e4m3 copy of
-        the LM head with one scale per vocabulary row, made once at load, which reads half the
-        bytes; the K picked candidates are then re-scored and re-sorted with the exact LM head, so
-        the selector's scores are exact and only the choice of candidates is approximate).
-        Verification always uses the exact head, so output stays lossless either way. "fp8"
-        without a drafter, or with a DFlash (v1) drafter, is a ValueError.
+    draft_head: which copy of the target's LM head the drafter drafts on: "exact" (default) or
+        "fp8" (an FP8 e4m3 copy with one scale per vocabulary row, made once at load, which reads
+        half the bytes per draft step and adds V x H bytes of weights). A DFlash (v1) drafter
+        then takes its drafts from the FP8 logits (their argmax, or with probabilistic drafts the
+        draw and its proposal q, which stay the distribution the draft came from); a DFlash2
+        drafter picks each slot's K candidates on it and re-scores and re-sorts them with the
+        exact head, so its selector scores stay exact. Verification always uses the exact head,
+        so output stays lossless either way: greedy output equals the target's, sampling keeps
+        the target's distribution; only acceptance may change. "fp8" without a drafter is a
+        ValueError.
     device: "cpu", "cuda" or "auto" (CUDA when this build has it, else the CPU).
     max_model_len: longest prompt + generation (default: the model's max_position_embeddings).
     kv_cache_tokens: size of the paged KV cache in tokens (default: from max_model_len and
@@ -208,7 +211,7 @@ class Session:
         if draft_head not in ("exact", "fp8"):
             raise ValueError(f"draft_head must be 'exact' or 'fp8', got {draft_head!r}")
         if draft_head != "exact" and draft is None:
-            raise ValueError("draft_head='fp8' needs a DFlash2 draft model (draft=...)")
+            raise ValueError("draft_head='fp8' needs a draft model (draft=...)")
         config.draft_head = draft_head
         if num_speculative_tokens is not None:
             if draft is None:

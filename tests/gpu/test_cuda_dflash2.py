@@ -257,13 +257,14 @@ def test_greedy_walk_is_exact_on_gpu_and_drafts_like_the_cpu(tmp_path, tiny_mode
     _assert_exact_sampling(spec, target, 1.0, "DFlash2 greedy walk")
 
 
+@pytest.mark.parametrize("draft_head", ["exact", "fp8"])
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_probabilistic_dflash_drafts_are_exact_on_gpu(tmp_path, tiny_model_dirs, top_p):
+def test_probabilistic_dflash_drafts_are_exact_on_gpu(tmp_path, tiny_model_dirs, top_p, draft_head):
     target = tiny_model_dirs["llama_hd64"]
     d1 = write_dflash_drafter(tmp_path / "d1", target_config=target_config(target), num_layers=1, target_layer_ids=[0, 1],
                               block_size=4, init_std=0.02)
-    spec = dflash.Session(target, draft=d1, device="cuda", draft_sampling="probabilistic")
-    _assert_exact_sampling(spec, target, top_p, "probabilistic DFlash")
+    spec = dflash.Session(target, draft=d1, device="cuda", draft_sampling="probabilistic", draft_head=draft_head)
+    _assert_exact_sampling(spec, target, top_p, f"probabilistic DFlash {draft_head} head")
 
 
 def test_seeded_sampling_on_gpu_is_reproducible(tmp_path, tiny_model_dirs):
@@ -279,20 +280,24 @@ def test_seeded_sampling_on_gpu_is_reproducible(tmp_path, tiny_model_dirs):
     assert st["num_free_blocks"] == st["num_blocks"]
 
 
-def test_probabilistic_dflash_at_temperature_zero_is_greedy_on_gpu(tmp_path, tiny_model_dirs):
+@pytest.mark.parametrize("draft_head", ["exact", "fp8"])
+@pytest.mark.parametrize("draft_sampling", ["probabilistic", "greedy"])
+def test_dflash_at_temperature_zero_is_greedy_on_gpu(tmp_path, tiny_model_dirs, draft_sampling, draft_head):
     from tests.gpu.test_cuda_models import TOL_FACTOR, _check_greedy, bf16_floor
 
     preset = "qwen3_hd128"
     target = tiny_model_dirs[preset]
     d1 = write_dflash_drafter(tmp_path / "d1", target_config=target_config(target), num_layers=1, target_layer_ids=[0, 1],
                               block_size=5)
-    prob = dflash.Session(target, draft=d1, device="cuda", draft_sampling="probabilistic")
+    spec = dflash.Session(target, draft=d1, device="cuda", draft_sampling=draft_sampling, draft_head=draft_head)
     ar = dflash.Session(target, device="cuda")
     cpu = dflash.Session(target, device="cpu", num_threads=2)
     floor = bf16_floor(preset, tiny_model_dirs, cpu)
-    for p, g, w in zip(PROMPTS, greedy_ids(prob, PROMPTS, MAX_TOKENS), greedy_ids(ar, PROMPTS, MAX_TOKENS)):
-        _check_greedy(cpu, p, g, w, "probabilistic dflash(cuda) at T=0 vs ar(cuda)", TOL_FACTOR * floor)
-    st = prob.stats()
+    label = f"{draft_sampling} dflash {draft_head} head (cuda) at T=0 vs ar(cuda)"
+    for p, g, w in zip(PROMPTS, greedy_ids(spec, PROMPTS, MAX_TOKENS), greedy_ids(ar, PROMPTS, MAX_TOKENS)):
+        _check_greedy(cpu, p, g, w, label, TOL_FACTOR * floor)
+    st = spec.stats()
+    assert st["graph_steps"] > 0 and st["num_spec_steps"] > 0
     assert st["num_free_blocks"] == st["num_blocks"]
 
 

@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-decode", action="store_true",
                    help="pipelined decoding: each decode step is launched before the host reads the one before "
                         "(same outputs)")
+    p.add_argument("--draft-head", default=None, choices=["exact", "fp8"],
+                   help="the LM-head copy the drafter drafts on: exact (default) or fp8 (an FP8 copy made at load: fewer bytes per draft step; verification stays exact)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--api-key", default=None,
@@ -51,7 +53,7 @@ def session_from_args(args: argparse.Namespace) -> Any:
     import dflash
 
     kwargs: Any = {}
-    for name in ("max_num_seqs", "gpu_memory_utilization", "num_speculative_tokens", "speculation"):
+    for name in ("max_num_seqs", "gpu_memory_utilization", "num_speculative_tokens", "speculation", "draft_head"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     if args.threads:
