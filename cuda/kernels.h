@@ -73,10 +73,10 @@ bool skinny_gemm_supports(const void* x, const void* w, int64_t m, int64_t k);
 // The kernel's shape, for benchmarks (0: the launcher's choice): warps per CTA (1..16, they
 // split K), row tiles of 16 w rows per warp (1 or 2), chunks of 32 k per warp per step (4, or 8
 // with M <= 16). Combinations that are not built return cudaErrorInvalidValue.
-// batch_invariant: one shape for every M <= kBatchInvariantRows (16 columns, 4 chunks per step,
-// one row tile, row_tiles / unroll ignored), so each output's reduction order depends on K and N
-// only: a row gets the same bits whatever the other rows of the launch (the caller slices larger
-// M into launches of at most kBatchInvariantRows rows).
+// batch_invariant: one shape for every M (16 columns, 4 chunks per step, one row tile, row_tiles /
+// unroll ignored; any M, run in slices of kBatchInvariantRows rows inside one launch), so each
+// output's reduction order depends on K and N only: a row gets the same bits whatever the other
+// rows of the launch.
 struct SkinnyGemmConfig {
   int warps = 0;
   int row_tiles = 0;
@@ -87,8 +87,8 @@ constexpr int64_t kBatchInvariantRows = 16;
 cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t m, int64_t n, int64_t k,
                         bool out_f32, void* out, cudaStream_t stream, const SkinnyGemmConfig* config = nullptr);
 
-// Fused skinny GEMM of a decoder layer, for M <= kSkinnyFusedMaxRows rows (M, K, shared memory:
-// skinny_gemm_fused_supports). The input transform builds the GEMM's x in shared memory first:
+// Fused skinny GEMM of a decoder layer, for M <= kSkinnyFusedMaxRows rows, or any M with
+// batch_invariant (M, K, shared memory: skinny_gemm_fused_supports). The input transform builds the GEMM's x in shared memory first:
 //   kRmsNorm   x = bf16(gamma * (in * rsqrt(mean(in^2) + eps)))  in [M, K]   (the rms_norm kernel's formula)
 //   kSiluMul   x = bf16(silu(gate) * up)                        in [M, 2K] = [gate | up] (silu_mul's)
 // and with `add` the output is accumulated into out (a bf16 residual stream: out = bf16(out + x @ w^T)).
@@ -98,7 +98,7 @@ struct SkinnyFusion {
   const __nv_bfloat16* gamma = nullptr;  // [K], kRmsNorm
   float eps = 0.0f;                      // kRmsNorm
   bool add = false;
-  bool batch_invariant = false;  // the shape of SkinnyGemmConfig::batch_invariant for every M
+  bool batch_invariant = false;  // the shape of SkinnyGemmConfig::batch_invariant, any M (slices of 16)
 };
 constexpr int64_t kSkinnyFusedMaxRows = 16;
 bool skinny_gemm_fused_supports(const void* in, const void* w, int64_t m, int64_t k, const SkinnyFusion& fusion);

@@ -26,6 +26,11 @@
 // Batch-invariant shape (SkinnyGemmConfig / SkinnyFusion batch_invariant): NT 2, R 1, U 4 for
 // every M <= 16, so the chunks of K a warp visits, the accumulator sets and the warp sum are the
 // same for every M: an output depends on its x row and w row only, whatever the other rows.
+// Every M runs in one launch of the sliced instantiation, in slices of 16 rows: CTA b owns slice
+// b % slices of w tile b / slices and computes exactly what a launch of that slice alone would
+// (same code, same warps: chosen by the number of w tiles), so a row's bits are those of its
+// slice whatever M. The slices of a w tile run side by side, so the tile comes from HBM once and
+// from L2 for the other slices (one launch instead of one per 16 rows, each streaming all of w).
 //
 // Fused variants (skinny_gemm_fused, M <= 16): the CTA first builds x in shared memory from the
 // layer's input (RMSNorm of the residual stream, or silu(gate) * up), with the formulas of the
@@ -36,6 +41,9 @@
 // Programmatic dependent launch: each CTA asks L2 to prefetch its weight rows (they depend on no
 // kernel) before it waits for the kernel ahead in the stream (detail::pdl_begin), so with
 // DFLASH_PDL on the weight stream starts while that kernel is still finishing.
+#include <algorithm>
+#include <cstdint>
+
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 #include "cuda/skinny_common.cuh"
@@ -51,15 +59,26 @@ using namespace skinny;
 // grid.x = ceil(N / (16 R)); dynamic shared memory W * red_bytes(NT, R).
 // IN: SkinnyInput (kPlain: x from global memory; else staged in shared memory from `x`, the
 // fused input, after the reduction buffer); ADD: out (bf16) += the product.
-template <int NT, int R, int U, bool F32, int IN = 0, bool ADD = false>
+// SLICED (the batch-invariant launches, every M): slice_rows rows of x per slice; CTA b computes
+// w tile b / slices for x rows [s slice_rows, min((s + 1) slice_rows, M)), s = b % slices. The
+// other instantiations ignore slice_rows (one slice; their code and registers as before).
+template <int NT, int R, int U, bool F32, int IN = 0, bool ADD = false, bool SLICED = false>
 __global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* __restrict__ x,
                                                           const __nv_bfloat16* __restrict__ w, int M, int N, int K,
                                                           void* __restrict__ out,
                                                           const __nv_bfloat16* __restrict__ gamma = nullptr,
-                                                          float eps = 0.0f) {
+                                                          float eps = 0.0f, int slice_rows = 0) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int row0 = blockIdx.x * (16 * R);
+  int tile = blockIdx.x;
+  if constexpr (SLICED) {  // this CTA's slice of x and out, as a launch of its own
+    const int slices = (M + slice_rows - 1) / slice_rows, slice = blockIdx.x % slices, m0 = slice * slice_rows;
+    tile = blockIdx.x / slices;
+    x += static_cast<int64_t>(m0) * (IN == static_cast<int>(SkinnyInput::kSiluMul) ? 2 * K : K);
+    out = static_cast<char*>(out) + static_cast<int64_t>(m0) * N * (F32 ? 4 : 2);
+    M = min(slice_rows, M - m0);
+  }
+  const int row0 = tile * (16 * R);
   // Before waiting for the kernel ahead (programmatic dependent launch): this CTA's weight rows,
   // which no kernel writes, start streaming into L2 while that kernel finishes.
   if (warp == 0) {
@@ -197,11 +216,16 @@ __global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* _
 
 // The kernel for (NT, R, U) with the output type chosen at run time; null when not built.
 using KernelFn = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, int, int, int, void*, const __nv_bfloat16*,
-                          float);
+                          float, int);
 
 template <int NT, int R, int U>
 KernelFn pick_out(bool out_f32) {
   return out_f32 ? skinny_gemm_kernel<NT, R, U, true> : skinny_gemm_kernel<NT, R, U, false>;
+}
+
+// The batch-invariant kernel (NT 2, R 1, U 4, sliced), for every M.
+KernelFn invariant_kernel(bool out_f32) {
+  return out_f32 ? skinny_gemm_kernel<2, 1, 4, true, 0, false, true> : skinny_gemm_kernel<2, 1, 4, false, 0, false, true>;
 }
 
 // The built (R, U) shapes per NT (each within 128 registers without spills, so that two CTAs of
@@ -222,15 +246,16 @@ KernelFn pick_shape(int row_tiles, int unroll, bool out_f32) {
   return nullptr;
 }
 
-// The fused kernels: the default shapes of M <= 8 (NT 1, R 1, U 8) and M <= 16 (NT 2, R 1, U 4).
+// The fused kernels: the default shapes of M <= 8 (NT 1, R 1, U 8) and M <= 16 (NT 2, R 1, U 4),
+// and the batch-invariant one (NT 2, U 4, sliced).
 using FusedFn = KernelFn;
 
-template <int NT, int U>
+template <int NT, int U, bool SLICED = false>
 FusedFn pick_fused(SkinnyInput input, bool add) {
-  if (input == SkinnyInput::kRmsNorm && !add) return skinny_gemm_kernel<NT, 1, U, false, 1, false>;
-  if (input == SkinnyInput::kPlain && add) return skinny_gemm_kernel<NT, 1, U, false, 0, true>;
-  if (input == SkinnyInput::kSiluMul && add) return skinny_gemm_kernel<NT, 1, U, false, 2, true>;
-  if (input == SkinnyInput::kSiluMul && !add) return skinny_gemm_kernel<NT, 1, U, false, 2, false>;
+  if (input == SkinnyInput::kRmsNorm && !add) return skinny_gemm_kernel<NT, 1, U, false, 1, false, SLICED>;
+  if (input == SkinnyInput::kPlain && add) return skinny_gemm_kernel<NT, 1, U, false, 0, true, SLICED>;
+  if (input == SkinnyInput::kSiluMul && add) return skinny_gemm_kernel<NT, 1, U, false, 2, true, SLICED>;
+  if (input == SkinnyInput::kSiluMul && !add) return skinny_gemm_kernel<NT, 1, U, false, 2, false, SLICED>;
   return nullptr;
 }
 
@@ -242,17 +267,28 @@ size_t fused_smem_bytes(int warps, int nt, int64_t m, int64_t k, SkinnyInput inp
 
 constexpr size_t kFusedMaxSmem = 112 * 1024;  // two CTAs per SM still fit (227 KB)
 
+// Rows of x per CTA: all of them, or a batch-invariant slice (any M, in slices of 16).
+int64_t rows_per_cta(int64_t m, bool batch_invariant) {
+  return batch_invariant ? std::min(m, kBatchInvariantRows) : m;
+}
+
+// CTAs of a launch over `tiles` w tiles: one per tile, times the slices of a batch-invariant M.
+int64_t num_blocks(int64_t tiles, int64_t m, bool batch_invariant) {
+  return tiles * ((m + rows_per_cta(m, batch_invariant) - 1) / rows_per_cta(m, batch_invariant));
+}
+
 }  // namespace
 
 bool skinny_gemm_fused_supports(const void* in, const void* w, int64_t m, int64_t k, const SkinnyFusion& f) {
-  if (in == nullptr || w == nullptr || m < 1 || m > kSkinnyFusedMaxRows || k <= 0 || k % 8 != 0 ||
-      k > (int64_t{1} << 24) || !detail::aligned16(in) || !detail::aligned16(w)) {
+  if (in == nullptr || w == nullptr || m < 1 || (m > kSkinnyFusedMaxRows && !f.batch_invariant) ||
+      m > (int64_t{1} << 30) || k <= 0 || k % 8 != 0 || k > (int64_t{1} << 24) || !detail::aligned16(in) ||
+      !detail::aligned16(w)) {
     return false;
   }
   if (f.input == SkinnyInput::kRmsNorm && (f.gamma == nullptr || !detail::aligned16(f.gamma))) return false;
   if (f.input == SkinnyInput::kPlain && !f.add) return false;  // that is skinny_gemm
   const int nt = (m <= 8 && !f.batch_invariant) ? 1 : 2;
-  return fused_smem_bytes(16, nt, m, k, f.input) <= kFusedMaxSmem;
+  return fused_smem_bytes(16, nt, rows_per_cta(m, f.batch_invariant), k, f.input) <= kFusedMaxSmem;
 }
 
 cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, int64_t m, int64_t n, int64_t k,
@@ -262,20 +298,25 @@ cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, i
     return cudaErrorInvalidValue;
   }
   const int nt = (m <= 8 && !f.batch_invariant) ? 1 : 2;
-  FusedFn kernel = nt == 1 ? pick_fused<1, 8>(f.input, f.add) : pick_fused<2, 4>(f.input, f.add);
+  FusedFn kernel = f.batch_invariant ? pick_fused<2, 4, true>(f.input, f.add)
+                   : nt == 1          ? pick_fused<1, 8>(f.input, f.add)
+                                      : pick_fused<2, 4>(f.input, f.add);
   if (kernel == nullptr) return cudaErrorInvalidValue;
-  const int64_t blocks = (n + 15) / 16;
+  const int64_t tiles = (n + 15) / 16, rows = rows_per_cta(m, f.batch_invariant);
+  const int64_t blocks = num_blocks(tiles, m, f.batch_invariant);
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   int device = 0, sms = 132;
   if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int warps = blocks <= sms ? 16 : 8;
-  const size_t smem = fused_smem_bytes(warps, nt, m, k, f.input);
+  const int warps = tiles <= sms ? 16 : 8;  // by the w tiles only: a slice computes as a launch of its own
+  const size_t smem = fused_smem_bytes(warps, nt, rows, k, f.input);
   if (smem + kStaticSmemMargin > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
-  detail::launch(kernel, static_cast<unsigned>(blocks), warps * 32, smem, stream, in, w, static_cast<int>(m), static_cast<int>(n),
-                                                                       static_cast<int>(k), out, f.gamma, f.eps);
+  detail::launch(kernel, static_cast<unsigned>(blocks), warps * 32, smem, stream, in, w, static_cast<int>(m),
+                 static_cast<int>(n), static_cast<int>(k), static_cast<void*>(out), f.gamma, f.eps,
+                 static_cast<int>(rows));
   return cudaGetLastError();
 }
 
@@ -287,11 +328,12 @@ bool skinny_gemm_supports(const void* x, const void* w, int64_t m, int64_t k) {
 cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t m, int64_t n, int64_t k,
                         bool out_f32, void* out, cudaStream_t stream, const SkinnyGemmConfig* config) {
   if (m == 0 || n == 0) return cudaSuccess;
-  if (!skinny_gemm_supports(x, w, m, k) || n < 0 || n > (int64_t{1} << 30) || out == nullptr) {
+  const bool invariant = config != nullptr && config->batch_invariant;
+  // Batch-invariant launches take any M (in slices of kBatchInvariantRows rows).
+  if (!skinny_gemm_supports(x, w, invariant ? std::min(m, kBatchInvariantRows) : m, k) || m > (int64_t{1} << 30) ||
+      n < 0 || n > (int64_t{1} << 30) || out == nullptr) {
     return cudaErrorInvalidValue;
   }
-  const bool invariant = config != nullptr && config->batch_invariant;
-  if (invariant && m > kBatchInvariantRows) return cudaErrorInvalidValue;
   const int nt = invariant ? 2 : m <= 8 ? 1 : m <= 16 ? 2 : 4;
   int row_tiles = 1, unroll = nt == 1 ? 8 : nt == 2 ? 4 : 2, warps = 0;
   if (config != nullptr) {
@@ -299,17 +341,21 @@ cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t 
     if (config->unroll && !invariant) unroll = config->unroll;
     warps = config->warps;
   }
-  KernelFn kernel = nt == 1   ? pick_shape<1>(row_tiles, unroll, out_f32)
+  KernelFn kernel = invariant ? invariant_kernel(out_f32)
+                    : nt == 1 ? pick_shape<1>(row_tiles, unroll, out_f32)
                     : nt == 2 ? pick_shape<2>(row_tiles, unroll, out_f32)
                               : pick_shape<4>(row_tiles, unroll, out_f32);
   if (kernel == nullptr || warps < 0 || warps > 16) return cudaErrorInvalidValue;
-  const int64_t blocks = (n + 16 * row_tiles - 1) / (16 * row_tiles);
+  const int64_t tiles = (n + 16 * row_tiles - 1) / (16 * row_tiles);
+  const int64_t blocks = num_blocks(tiles, m, invariant);
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   if (warps == 0) {
     // All CTAs resident at once where possible: two CTAs of 8 warps per SM, or one of 16 warps
-    // (a deeper split of K) when there are no more tiles than SMs.
+    // (a deeper split of K) when there are no more tiles than SMs. By the w tiles only: a
+    // batch-invariant slice computes as a launch of its own would.
     int device = 0, sms = 132;
     if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    warps = blocks <= sms ? 16 : 8;
+    warps = tiles <= sms ? 16 : 8;
   }
   const size_t smem = warps * red_bytes(nt, row_tiles);
   if (smem + kStaticSmemMargin > 48 * 1024) {  // only the largest tuning shapes (16 warps, M > 16, 2 row tiles)
@@ -317,8 +363,9 @@ cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t 
                                                static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
-  detail::launch(kernel, static_cast<unsigned>(blocks), warps * 32, smem, stream, 
-      x, w, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), out, nullptr, 0.0f);
+  detail::launch(kernel, static_cast<unsigned>(blocks), warps * 32, smem, stream, x, w, static_cast<int>(m),
+                 static_cast<int>(n), static_cast<int>(k), out, static_cast<const __nv_bfloat16*>(nullptr), 0.0f,
+                 static_cast<int>(rows_per_cta(m, invariant)));
   return cudaGetLastError();
 }
 

@@ -417,7 +417,7 @@ void cuda_skinny_gemm_fused(const Any& inp, const Any& w, const Any& out, const 
   const __nv_bfloat16* in = bf16(inp, "inp");
   const __nv_bfloat16* wp = bf16(w, "w");
   DFLASH_ARG_CHECK(cuda::skinny_gemm_fused_supports(in, wp, inp.shape(0), w.shape(1), f),
-                   "skinny_gemm_fused: unsupported (M <= 16, K % 8 == 0, 16-byte aligned, shared memory)");
+                   "skinny_gemm_fused: unsupported (M <= 16 unless batch_invariant, K % 8 == 0, 16-byte aligned, shared memory)");
   finish("skinny_gemm_fused", cuda::skinny_gemm_fused(in, wp, inp.shape(0), w.shape(0), w.shape(1), f,
                                                       bf16(out, "out"), nullptr));
 }

@@ -2,8 +2,8 @@
 #
 # Batch-invariant kernels (Session(deterministic=True), KernelOptions::batch_invariant): a row's
 # bits must not depend on the other rows. Kernel level: the skinny GEMM and its fused forms on the
-# batch-invariant shape give row i the same bits for every M <= 16 (and stay within bf16
-# rounding of torch). Session level, on a random Qwen3 model with a real K split (hidden 1024,
+# batch-invariant shape give row i the same bits for every M (and stay within bf16 rounding of
+# torch); more than 16 rows run as 16-row slices of one launch, each equal to its slice alone. Session level, on a random Qwen3 model with a real K split (hidden 1024,
 # an intermediate size with a K tail, 8 and 16 warp launches): the logits of a position recorded
 # by teacher forcing are bit-identical whether the position is a decode step alone, a decode row
 # in a batch with other requests, a row of a prefill, or a row of a chunked prefill; and greedy
@@ -71,6 +71,53 @@ def test_fused_skinny_gemm_rows_do_not_depend_on_m(mode):
         part = base[:m].clone()
         K.cuda_skinny_gemm_fused(inp[:m].contiguous(), w, part, mode, gamma=gamma, add=add, batch_invariant=True)
         assert torch.equal(part, full[:m]), f"{mode} m={m}"
+
+
+@pytest.mark.parametrize("m", [17, 40, 256])
+@pytest.mark.parametrize("n,k", [(1024, 1024), (5000, 1024), (24, 64)])
+@pytest.mark.parametrize("out_f32", [False, True])
+def test_one_launch_of_many_rows_equals_its_16_row_slices(m, n, k, out_f32):
+    """More than 16 rows run in one launch (slices of 16 inside it): every row has the bits of the
+    launch of its slice alone, and of a launch of that row alone."""
+    K = kernel_ops()
+    x = bf16_randn(m, k, seed=7)
+    w = bf16_randn(n, k, seed=8, scale=0.05)
+    dtype = torch.float32 if out_f32 else torch.bfloat16
+    full = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
+    K.cuda_skinny_gemm(x, w, full, batch_invariant=True)
+    torch.cuda.synchronize()
+    for r0 in range(0, m, 16):
+        rows = min(16, m - r0)
+        part = torch.empty(rows, n, device=DEV, dtype=dtype)
+        K.cuda_skinny_gemm(x[r0:r0 + rows].contiguous(), w, part, batch_invariant=True)
+        assert torch.equal(part, full[r0:r0 + rows]), f"m={m}: slice at row {r0} differs"
+    for r in (0, m // 2, m - 1):
+        one = torch.empty(1, n, device=DEV, dtype=dtype)
+        K.cuda_skinny_gemm(x[r:r + 1].contiguous(), w, one, batch_invariant=True)
+        assert torch.equal(one, full[r:r + 1]), f"m={m}: row {r} alone differs"
+    want = x.double() @ w.double().T
+    tol = 2e-6 * k + (0 if out_f32 else 1) * want.abs() * 2 ** -7
+    assert ((full.double() - want).abs() <= tol + 1e-3).all()
+
+
+@pytest.mark.parametrize("m", [20, 256])
+@pytest.mark.parametrize("mode", ["rms_norm", "silu_mul", "plain"])
+def test_one_fused_launch_of_many_rows_equals_its_16_row_slices(mode, m):
+    K = kernel_ops()
+    n, k = 1024, 1024
+    inp = bf16_randn(m, 2 * k if mode == "silu_mul" else k, seed=9)
+    w = bf16_randn(n, k, seed=10, scale=0.05)
+    gamma = bf16_randn(k, seed=11, scale=0.1) + 1 if mode == "rms_norm" else None
+    add = mode != "rms_norm"
+    base = bf16_randn(m, n, seed=12)
+    full = base.clone()
+    K.cuda_skinny_gemm_fused(inp, w, full, mode, gamma=gamma, add=add, batch_invariant=True)
+    for r0 in range(0, m, 16):
+        rows = min(16, m - r0)
+        part = base[r0:r0 + rows].clone()
+        K.cuda_skinny_gemm_fused(inp[r0:r0 + rows].contiguous(), w, part, mode, gamma=gamma, add=add,
+                                 batch_invariant=True)
+        assert torch.equal(part, full[r0:r0 + rows]), f"{mode} m={m}: slice at row {r0} differs"
 
 
 # ------------------------------------------------------------------------------- sessions

@@ -251,11 +251,8 @@ bool CudaBackend::try_fused(const Tensor& in, const Tensor& w, int64_t m, const 
     }
     check_bf16(in, "fused linear input");
     check_bf16(out, "fused linear output");
-    const int64_t in_width = f.input == cuda::SkinnyInput::kSiluMul ? 2 * k : k;
-    for (int64_t r0 = 0; r0 < m; r0 += cuda::kBatchInvariantRows) {
-      const int64_t rows = std::min(cuda::kBatchInvariantRows, m - r0);
-      DFLASH_CUDA_CHECK(cuda::skinny_gemm_fused(bf(in) + r0 * in_width, bf(w), rows, n, k, f, bf(out) + r0 * n, stream_));
-    }
+    // One launch; the kernel runs the rows in slices of kBatchInvariantRows.
+    DFLASH_CUDA_CHECK(cuda::skinny_gemm_fused(bf(in), bf(w), m, n, k, f, bf(out), stream_));
     return true;
   }
   if (fused_layers_ && stream_for(m) && cuda::stream_gemm_supports(in.data, w.data, m, k, fusion, false)) {
@@ -276,15 +273,10 @@ void CudaBackend::invariant_linear(const Tensor& x, const Tensor& w, int64_t m, 
   DFLASH_CHECK(cuda::skinny_gemm_supports(x.data, w.data, 1, k), "batch-invariant linear: the skinny kernel does not "
                "support x ", shape_str(x.shape), " w ", shape_str(w.shape), " (K % 8 == 0 and 16-byte aligned rows)");
   check_bf16(x, "batch-invariant linear input");
-  const bool f32 = out.dtype == DType::kF32;
-  const int64_t out_bytes = f32 ? 4 : 2;
   cuda::SkinnyGemmConfig config;
   config.batch_invariant = true;
-  for (int64_t r0 = 0; r0 < m; r0 += cuda::kBatchInvariantRows) {
-    const int64_t rows = std::min(cuda::kBatchInvariantRows, m - r0);
-    DFLASH_CUDA_CHECK(cuda::skinny_gemm(bf(x) + r0 * k, bf(w), rows, n, k, f32,
-                                        static_cast<char*>(out.data) + r0 * n * out_bytes, stream_, &config));
-  }
+  // One launch; the kernel runs the rows in slices of kBatchInvariantRows.
+  DFLASH_CUDA_CHECK(cuda::skinny_gemm(bf(x), bf(w), m, n, k, out.dtype == DType::kF32, out.data, stream_, &config));
 }
 
 void CudaBackend::rms_norm_linear(const Tensor& x, const Tensor& norm_w, float eps, const Tensor& w, Tensor& out,

@@ -132,7 +132,8 @@ class CudaBackend final : public Backend {
   bool stream_for(int64_t m) const;
   // The fused skinny kernel when skinny_for() and the kernel supports the shape; false: not run.
   bool try_fused(const Tensor& in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion, Tensor& out);
-  // out[m, N] = x[m, K] @ w^T on the batch-invariant skinny shape, kBatchInvariantRows rows a launch.
+  // out[m, N] = x[m, K] @ w^T on the batch-invariant skinny shape (one launch, slices of
+  // kBatchInvariantRows rows).
   void invariant_linear(const Tensor& x, const Tensor& w, int64_t m, Tensor& out);
   // The arguments of one attention call over pool layer `layer` (q gives the token and head counts).
   PagedAttentionArgs attention_args(const Tensor& q, const KVPool& pool, int64_t layer, const AttentionMeta& meta,
@@ -198,7 +199,7 @@ class CudaBackend final : public Backend {
   GemmMode gemm_mode_ = GemmMode::kAuto;
   bool fused_layers_ = true;  // KernelOptions::fused_layers false: the layer ops compose the unfused kernels
   // KernelOptions::batch_invariant: every linear layer on the skinny kernel's batch-invariant
-  // shape in launches of cuda::kBatchInvariantRows rows (no cuBLASLt), the fused forms only where
+  // shape in slices of cuda::kBatchInvariantRows rows (no cuBLASLt), the fused forms only where
   // a full slice fits, every attention on the Triton prefill kernel (one kernel for every query
   // count, no split-KV): a row's bits do not depend on the other rows of the step.
   bool batch_invariant_ = false;
