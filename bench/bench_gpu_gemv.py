@@ -7,6 +7,9 @@ of a Qwen3-8B geometry, on one GPU, in one run:
   shapes        every weight GEMM shape of the target and the drafter (N, K; the LM head with fp32
                 logits) at M = 1, 4, 8, 16 rows: time per GEMM, GB/s of weight bytes read and its
                 fraction of copy_bw for
+                  read      (once per shape) a Triton kernel that only streams the weight's bytes
+                            (best of READ_CONFIGS): the size-matched roofline, ramp and tail
+                            included, that no GEMV of that shape can beat,
                   skinny    the skinny kernel's default shape (DFLASH_GEMM=skinny / auto),
                   stream    the streaming kernel's default shape (DFLASH_GEMM=stream),
                   cublaslt  the CUDA backend's cuBLASLt plan (through testing.cuda_cublaslt_gemm),
@@ -140,7 +143,55 @@ def default_shape(m, n, sms):
     return {"warps": 16 if blocks <= sms else 8, "row_tiles": 1, "unroll": unroll}
 
 
-def bench_one(name, n, k, f32, m, ws, gen, copy_bw, trials, sweep, sms):
+# Read-only streaming of a weight: (elements per load block, blocks per program); the fastest of
+# these is the shape's read roofline.
+READ_CONFIGS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]
+
+
+def _read_kernel():
+    """A Triton kernel that streams x (bf16) once and writes one fp32 sum per program: the size-matched
+    roofline of a GEMV that reads the same bytes (launch ramp and tail included, no math)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_sum(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        base = pid.to(tl.int64) * BLOCK * ITERS
+        for i in range(ITERS):
+            offs = base + i * BLOCK + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(acc))
+
+    return read_sum
+
+
+def read_calls(ws, calls_per_graph, block, iters):
+    """calls_per_graph reads rotating over the weight copies ws, one output buffer each."""
+    kernel = _read_kernel()
+    n = ws[0].numel()
+    programs = -(-n // (block * iters))
+    outs = [torch.empty(programs, device="cuda", dtype=torch.float32) for _ in range(2)]
+    return [(lambda w=ws[i % len(ws)], o=outs[i % 2]: kernel[(programs,)](w, o, n, BLOCK=block, ITERS=iters,
+                                                                         num_warps=8))
+            for i in range(calls_per_graph)]
+
+
+def bench_read(ws, copy_bw, trials):
+    """The fastest READ_CONFIGS read of one weight shape (graph of >= 20 reads over its copies)."""
+    calls_per_graph = len(ws) * math.ceil(20 / len(ws))
+    w_bytes = ws[0].numel() * 2
+    best = None
+    for block, iters in READ_CONFIGS:
+        t = graph_time(read_calls(ws, calls_per_graph, block, iters), trials)
+        f = figure(None if t is None else t / calls_per_graph, w_bytes, copy_bw)
+        if f is not None and (best is None or f["s"] < best["s"]):
+            best = {**f, "block": block, "iters": iters}
+    return best
+
+
+def bench_one(name, n, k, f32, m, ws, gen, copy_bw, trials, sweep, sms, read=None):
     """One (shape, M): every method, and the sweep of kernel shapes."""
     copies, w_bytes = len(ws), n * k * 2
     calls_per_graph = copies * math.ceil(20 / copies)
@@ -154,7 +205,8 @@ def bench_one(name, n, k, f32, m, ws, gen, copy_bw, trials, sweep, sms):
         return figure(None if t is None else t / calls_per_graph, w_bytes, copy_bw)
 
     row = {"name": name, "n": n, "k": k, "m": m, "out": "fp32" if f32 else "bf16", "weight_bytes": w_bytes,
-           "weight_copies": copies, "gemms_per_graph": calls_per_graph, "default_shape": default_shape(m, n, sms)}
+           "weight_copies": copies, "gemms_per_graph": calls_per_graph, "default_shape": default_shape(m, n, sms),
+           "read": read}
     for label, make in zip(METHODS, (skinny, stream_gemm, cublaslt, torch_mm)):
         row[label] = timed(make)
     # agreement of the two paths on one GEMM (bf16 / fp32 rounding only)
@@ -192,6 +244,8 @@ def bench_one(name, n, k, f32, m, ws, gen, copy_bw, trials, sweep, sms):
         f = row[label]
         line += f"  {label} " + ("failed" if f is None else
                                  f"{f['s'] * 1e6:7.1f} us {f['fraction_of_copy_bw'] * 100:5.1f} %")
+    if read is not None:
+        line += f"  read {read['fraction_of_copy_bw'] * 100:5.1f} %"
     if row.get("sweep_best"):
         sb = row["sweep_best"]
         line += f"  best {sweep} shape " + " ".join(f"{k}={sb[k]}" for k in ("warps", "row_tiles", "unroll", "stages")
@@ -206,8 +260,9 @@ def bench_shapes(copy_bw, l2_bytes, trials, sweep, sms):
     for name, n, k, f32 in TARGET_SHAPES:
         copies = max(2, math.ceil(4 * l2_bytes / (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(copies)]
+        read = bench_read(ws, copy_bw, trials)
         for m in ROWS:
-            results.append(bench_one(name, n, k, f32, m, ws, gen, copy_bw, trials, sweep, sms))
+            results.append(bench_one(name, n, k, f32, m, ws, gen, copy_bw, trials, sweep, sms, read=read))
         del ws
         torch.cuda.empty_cache()
     return results
