@@ -9,6 +9,8 @@ length 1 (AR) and 16 (verify), context 512/4096, side by side in one run:
           (cuda/decode_attention.cu), 17..64 rows (query length 16) on tensor cores
           (cuda/decode_attention_mma.cu); its own split count and one split;
   cuda_tc the tensor-core kernel forced at query length 1 too (tensor_cores=True);
+  cuda_staged the CUDA-core kernel with K/V staged in shared memory by cp.async (staged=True, what
+          DFLASH_ATTENTION=staged runs; the same bits, fewer registers), query length 1;
   rope_pair  what the AR step runs before and in attention with DFLASH_ROPE_ATTENTION off: the
           QKV norm / RoPE / K/V write kernel, then the CUDA decode attention (two launches);
   cuda_rope  the same work fused into the decode kernel (cuda::decode_attention_rope, one launch;
@@ -40,7 +42,7 @@ from gpu_common import cuda_kernel_totals, graph_time, run_record, write_json  #
 
 GEOMETRIES = {"qwen3_8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # query heads, KV heads, head_dim
 BS = 16
-IMPLS = ("triton", "cuda", "cuda_tc", "rope_pair", "cuda_rope")
+IMPLS = ("triton", "cuda", "cuda_tc", "cuda_staged", "rope_pair", "cuda_rope")
 ROPE_IMPLS = ("rope_pair", "cuda_rope")
 
 
@@ -95,7 +97,7 @@ def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps, geome
         def call_on(stream):
             return testing.cuda_decode_attention(q, kp, vp, o, qs, kl, bt, True, 0, qlen, max_kv_len, workspace=ws,
                                                  counters=counters, force_splits=splits, stream=stream,
-                                                 tensor_cores=impl == "cuda_tc")
+                                                 tensor_cores=impl == "cuda_tc", staged=impl == "cuda_staged")
 
     def call():
         return call_on(torch.cuda.current_stream().cuda_stream)
@@ -153,7 +155,7 @@ def plan(args):
         for qlen in args.qlens:
             for ctx in args.contexts:
                 for impl in args.impls:
-                    if qlen != 1 and impl in ("cuda_tc",) + ROPE_IMPLS:
+                    if qlen != 1 and impl in ("cuda_tc", "cuda_staged") + ROPE_IMPLS:
                         continue
                     forced = (1, 8) if impl == "triton" else tuple(args.splits)
                     for splits in (0,) + forced:  # 0: the implementation's own choice from max_kv_len

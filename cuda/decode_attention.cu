@@ -38,8 +38,20 @@
 // copies, and those of later passes are read through L2 (ld.global.cg, which sees the CTA's own
 // writes after __syncthreads; the read-only path does not promise that).
 //
+// Staged K/V (STAGED, PagedAttentionArgs::staged_kv; opt-in as kernels.attention = "staged"): the
+// same kernel with each pass's K and V copied global -> shared memory by cp.async (two passes in
+// flight, as the register version keeps two) instead of held in registers: the 2 x 64 registers a
+// thread spent on the current and the next pass's K/V are gone (HD 128 RB 4: from 244 registers
+// to about half), so more of the next kernel's CTAs fit beside it under programmatic launch. Thread
+// (w, l) copies exactly the K it reads in QK (key 16 w + l / 2, half l % 2 of hd); a key's row in
+// shared memory keeps its two halves 16 bytes apart (and rows 32 bytes longer than hd), so the QK
+// reads of a quarter warp and the PV reads of a warp are free of bank conflicts. Every product,
+// sum and rounding is the register version's, in the same order: the outputs have its bits. The
+// fused RoPE prologue runs on the register version only.
+//
 // Programmatic dependent launch: detail::pdl_begin() before any memory access.
 #include <algorithm>
+#include <type_traits>
 #include <cfloat>
 #include <cmath>
 
@@ -47,6 +59,7 @@
 #include "cuda/decode_attention_common.cuh"
 #include "cuda/kernels.h"
 #include "cuda/rope_common.cuh"
+#include "cuda/tensor_core.cuh"  // cp_async16, smem_addr
 
 namespace dflash {
 namespace cuda {
@@ -134,7 +147,7 @@ __device__ __forceinline__ void load_pass(const Params& p, const int32_t* table,
   }
 }
 
-// Shared memory of the fused prologue (ROPE), in red_s (not used before the end of the key loop):
+// Shared memory of the fused prologue (ROPE), in red (not used before the end of the key loop):
 // the rows' queries qb [RB][HD], and this CTA's new keys kn, vn [RB][HD] (bf16).
 template <int HD>
 struct RopeScratch {
@@ -202,17 +215,64 @@ __device__ __forceinline__ void patch_new_keys(const RopeScratch<HD>& sm, int pa
   }
 }
 
+// STAGED: a pass's K and V in shared memory, [kStages][K, V][kPassKeys][kRow] bf16 (dynamic).
+// Element d of a key row sits at d, or d + 8 in the second half (the halves 16 bytes apart).
+template <int HD>
+struct StagedLayout {
+  static constexpr int kStages = 2;           // passes in flight
+  static constexpr int kHalf = HD / 2 + 8;    // offset of the second half of a row
+  static constexpr int kRow = HD + 16;        // bf16 per key row
+  static constexpr int kTile = kPassKeys * kRow;  // K or V of one pass
+  static constexpr size_t kBytes = size_t{kStages} * 2 * kTile * sizeof(__nv_bfloat16);
+  static __device__ __forceinline__ int at(int d) { return d < HD / 2 ? d : d + 8; }
+};
+static_assert(kThreads == 2 * kPassKeys, "two copying threads per key of a pass");
+
+// The keys [pass0, c1) of the pass starting at pass0 into k_dst / v_dst (StagedLayout rows), by
+// cp.async; keys past c1 are zero-filled. Thread t copies key t / 2, half t % 2 of hd: the K piece
+// load_pass would have given that thread for QK.
+template <int HD>
+__device__ __forceinline__ void stage_pass(const Params& p, const int32_t* table, int kv_head, int pass0, int c1,
+                                           __nv_bfloat16* k_dst, __nv_bfloat16* v_dst) {
+  using L = StagedLayout<HD>;
+  const int key = threadIdx.x >> 1, half = threadIdx.x & 1, j = pass0 + key;
+  const bool ok = j < c1;
+  int64_t row = 0;
+  if (ok) {
+    const int blk = __ldg(table + j / p.block_size);
+    row = (static_cast<int64_t>(blk) * p.block_size + j % p.block_size) * p.num_kv_heads + kv_head;
+  }
+  const int64_t src = row * HD + half * (HD / 2);
+  const int dst = key * L::kRow + half * L::kHalf;
+#pragma unroll
+  for (int c = 0; c < HD / 16; ++c) {
+    cp_async16(smem_addr(k_dst + dst + 8 * c), p.k_pool + src + 8 * c, ok);
+    cp_async16(smem_addr(v_dst + dst + 8 * c), p.v_pool + src + 8 * c, ok);
+  }
+}
+
+struct NoLoads {};
+
 // RB: row capacity (a multiple of 4, <= kCudaCoreMaxRows); the launch's rows = max_query_len * group <= RB.
 // ROPE: the fused prologue (decode_attention_rope; p.rope set, p.q unused).
-template <int HD, int RB, bool ROPE>
+// STAGED: K/V staged in shared memory by cp.async (dynamic shared memory StagedLayout<HD>::kBytes).
+template <int HD, int RB, bool ROPE, bool STAGED>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
+  static_assert(!(ROPE && STAGED), "the fused RoPE prologue runs on the register version");
+  using SL = StagedLayout<HD>;
   constexpr int DL = HD / 32;           // head dims per lane in PV
   constexpr int QS = HD / 2 + 4;        // q_s half-row stride (the halves on different banks)
   __shared__ __align__(16) float q_s[RB][2][QS];
   __shared__ float s_s[RB][kPassKeys + 1];
   __shared__ float m_s[RB], l_s[RB], alpha_s[RB];
-  __shared__ __align__(16) float red_s[4][RB][HD];
-  static_assert((2 * kMaxSplits + 1) * RB <= 4 * RB * HD, "the combine's weights fit in red_s");
+  // The warps' partial rows [4][RB][HD] (and the prologue's / the combine's scratch): static, or
+  // with STAGED the K/V stages, free after the key loop.
+  __shared__ __align__(16) float red_static[STAGED ? 1 : 4][RB][STAGED ? 1 : HD];
+  extern __shared__ __align__(16) unsigned char dyn_smem[];
+  [[maybe_unused]] __nv_bfloat16* kv_s = reinterpret_cast<__nv_bfloat16*>(dyn_smem);
+  float* red = STAGED ? reinterpret_cast<float*>(dyn_smem) : &red_static[0][0][0];
+  static_assert(!STAGED || size_t{4} * RB * HD * sizeof(float) <= SL::kBytes, "the partial rows fit in the stages");
+  static_assert((2 * kMaxSplits + 1) * RB <= 4 * RB * HD, "the combine's weights fit in red");
 
   // ROPE waits for the kernel before it further down. What it reads before that (the batch's
   // metadata, the block table, the K/V of earlier steps) the kernel right before it (the QKV GEMM,
@@ -238,15 +298,19 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   // The first pass's K/V loads (HBM) go out before Q is staged (L2), so their latencies overlap;
   // with ROPE, before the wait for the kernel ahead (only the new tokens' keys come after).
   const int32_t* table = p.block_table + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
-  PassLoads<HD> cur, nxt;
-  if (c0 < c1) load_pass<HD, false>(p, table, kv_head, c0, c1, cur);
-  // ROPE: the prologue's queries and new keys in red_s (not used before the end of the key loop).
+  std::conditional_t<STAGED, NoLoads, PassLoads<HD>> cur, nxt;
+  if constexpr (STAGED) {
+    if (c0 < c1) stage_pass<HD>(p, table, kv_head, c0, c1, kv_s, kv_s + SL::kTile);
+    cp_async_commit();
+  } else {
+    if (c0 < c1) load_pass<HD, false>(p, table, kv_head, c0, c1, cur);
+  }
+  // ROPE: the prologue's queries and new keys in red (not used before the end of the key loop).
   __shared__ int written_s[RB];
-  [[maybe_unused]] const RopeScratch<HD> sm{reinterpret_cast<__nv_bfloat16*>(&red_s[0][0][0]),
-                                            reinterpret_cast<__nv_bfloat16*>(&red_s[0][0][0]) + RB * HD,
-                                            reinterpret_cast<__nv_bfloat16*>(&red_s[0][0][0]) + 2 * RB * HD,
-                                            written_s};
-  static_assert(3 * RB * HD * sizeof(__nv_bfloat16) <= sizeof(red_s), "the prologue's rows fit in red_s");
+  [[maybe_unused]] const RopeScratch<HD> sm{reinterpret_cast<__nv_bfloat16*>(red),
+                                            reinterpret_cast<__nv_bfloat16*>(red) + RB * HD,
+                                            reinterpret_cast<__nv_bfloat16*>(red) + 2 * RB * HD, written_s};
+  static_assert(3 * RB * HD * sizeof(__nv_bfloat16) <= 4 * RB * HD * sizeof(float), "the prologue's rows fit in red");
   if constexpr (ROPE) {
     detail::pdl_begin();
     // This CTA's new tokens: queries [new0, new1), keys first_new + i in [c0, c1).
@@ -288,8 +352,20 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
 
   const int half = lane & 1, kk = 16 * warp + (lane >> 1);  // QK: this thread's key in the pass
   const int srow = tid >> 3, ssub = tid & 7;                 // softmax: 8 threads per row
-  for (int pass0 = c0; pass0 < c1; pass0 += kPassKeys) {
-    if (pass0 + kPassKeys < c1) load_pass<HD, ROPE>(p, table, kv_head, pass0 + kPassKeys, c1, nxt);
+  for (int pass0 = c0, it = 0; pass0 < c1; pass0 += kPassKeys, ++it) {
+    [[maybe_unused]] const __nv_bfloat16* k_s = kv_s + (it % SL::kStages) * 2 * SL::kTile;
+    [[maybe_unused]] const __nv_bfloat16* v_s = k_s + SL::kTile;
+    if constexpr (STAGED) {
+      if (pass0 + kPassKeys < c1) {
+        __nv_bfloat16* k_next = kv_s + ((it + 1) % SL::kStages) * 2 * SL::kTile;
+        stage_pass<HD>(p, table, kv_head, pass0 + kPassKeys, c1, k_next, k_next + SL::kTile);
+      }
+      cp_async_commit();  // empty groups too: the wait count stays uniform
+      cp_async_wait<1>();  // this pass's copies (this thread's) have landed
+      __syncthreads();     // and every thread's (PV reads other threads' V)
+    } else {
+      if (pass0 + kPassKeys < c1) load_pass<HD, ROPE>(p, table, kv_head, pass0 + kPassKeys, c1, nxt);
+    }
 
     // QK: partial dot over this thread's half of hd, then the pair's sum.
     float part[RB];
@@ -297,7 +373,13 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
     for (int r = 0; r < RB; ++r) part[r] = 0.0f;
 #pragma unroll
     for (int c = 0; c < PassLoads<HD>::kKVecs; ++c) {
-      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&cur.k[c]);
+      uint4 kc;
+      if constexpr (STAGED) {
+        kc = reinterpret_cast<const uint4*>(k_s + kk * SL::kRow + half * SL::kHalf)[c];
+      } else {
+        kc = cur.k[c];
+      }
+      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&kc);
       float kf[8];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -365,7 +447,12 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
 #pragma unroll
     for (int e = 0; e < 16; ++e) {
       float vf[DL];
-      VPiece<HD>::to_f32(cur.v[e], vf);
+      if constexpr (STAGED) {
+        using VT = typename VPiece<HD>::T;
+        VPiece<HD>::to_f32(*reinterpret_cast<const VT*>(v_s + (16 * warp + e) * SL::kRow + SL::at(lane * DL)), vf);
+      } else {
+        VPiece<HD>::to_f32(cur.v[e], vf);
+      }
       // A key masked for a row has pe = 0, but 0 * NaN is NaN: a non-finite value (a NaN row
       // of another query behind it in causal order) adds nothing. Finite values pass unchanged.
 #pragma unroll
@@ -377,33 +464,37 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
         for (int d = 0; d < DL; ++d) acc[r][d] += pe * vf[d];
       }
     }
-    cur = nxt;
-    __syncthreads();  // s_s and alpha_s are rewritten by the next pass
+    if constexpr (!STAGED) cur = nxt;
+    __syncthreads();  // s_s and alpha_s are rewritten by the next pass (STAGED: and this stage)
+  }
+  if constexpr (STAGED) {
+    cp_async_wait<0>();  // no copy in flight into the stages, which now hold the partial rows
+    __syncthreads();
   }
 
   // The warps' sums.
 #pragma unroll
   for (int r = 0; r < RB; ++r)
 #pragma unroll
-    for (int d = 0; d < DL; ++d) red_s[warp][r][lane * DL + d] = acc[r][d];
+    for (int d = 0; d < DL; ++d) red[(warp * RB + r) * HD + lane * DL + d] = acc[r][d];
   __syncthreads();
 
   for (int i = tid; i < rows * HD; i += kThreads) {
     const int r = i / HD, d = i % HD;
-    const float a = red_s[0][r][d] + red_s[1][r][d] + red_s[2][r][d] + red_s[3][r][d];
+    const float a = red[r * HD + d] + red[(RB + r) * HD + d] + red[(2 * RB + r) * HD + d] + red[(3 * RB + r) * HD + d];
     write_row_element<HD>(p, row_base(p, q_begin, kv_head, group, r), d, a, m_s[r], l_s[r], split, num_splits,
                           active);
   }
-  if (active > 1) combine_splits<HD>(p, seq, kv_head, q_begin, group, rows, RB, num_splits, active, &red_s[0][0][0]);
+  if (active > 1) combine_splits<HD>(p, seq, kv_head, q_begin, group, rows, RB, num_splits, active, red);
 }
 
 using KernelFn = void (*)(Params);
 
-template <int HD, bool ROPE>
+template <int HD, bool ROPE, bool STAGED>
 KernelFn pick_rows(int rows) {
-  if (rows <= 4) return decode_attention_kernel<HD, 4, ROPE>;
-  if (rows <= 8) return decode_attention_kernel<HD, 8, ROPE>;
-  return decode_attention_kernel<HD, 16, ROPE>;
+  if (rows <= 4) return decode_attention_kernel<HD, 4, ROPE, STAGED>;
+  if (rows <= 8) return decode_attention_kernel<HD, 8, ROPE, STAGED>;
+  return decode_attention_kernel<HD, 16, ROPE, STAGED>;
 }
 
 int num_sms() {
@@ -475,11 +566,24 @@ int checked_splits(const PagedAttentionArgs& a) {
   return splits;
 }
 
-// The CUDA-core kernel over the grid (num_seqs, nkv, splits).
-cudaError_t launch_cuda_cores(const Params& p, int head_dim, int rows, dim3 grid, bool rope, cudaStream_t stream) {
-  KernelFn kernel = head_dim == 128 ? (rope ? pick_rows<128, true>(rows) : pick_rows<128, false>(rows))
-                                    : (rope ? pick_rows<64, true>(rows) : pick_rows<64, false>(rows));
-  const cudaError_t e = detail::launch(kernel, grid, dim3(kThreads), 0, stream, p);
+// The CUDA-core kernel over the grid (num_seqs, nkv, splits): the fused RoPE prologue, staged
+// K/V, or neither.
+cudaError_t launch_cuda_cores(const Params& p, int head_dim, int rows, dim3 grid, bool rope, bool staged,
+                              cudaStream_t stream) {
+  KernelFn kernel = nullptr;
+  size_t smem = 0;
+  if (rope) {
+    kernel = head_dim == 128 ? pick_rows<128, true, false>(rows) : pick_rows<64, true, false>(rows);
+  } else if (staged) {
+    kernel = head_dim == 128 ? pick_rows<128, false, true>(rows) : pick_rows<64, false, true>(rows);
+    smem = head_dim == 128 ? StagedLayout<128>::kBytes : StagedLayout<64>::kBytes;
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  } else {
+    kernel = head_dim == 128 ? pick_rows<128, false, false>(rows) : pick_rows<64, false, false>(rows);
+  }
+  const cudaError_t e = detail::launch(kernel, grid, dim3(kThreads), smem, stream, p);
   return e != cudaSuccess ? e : cudaGetLastError();
 }
 
@@ -499,7 +603,7 @@ cudaError_t decode_attention(const PagedAttentionArgs& a, cudaStream_t stream) {
   if (rows > kCudaCoreMaxRows || a.force_tensor_cores) {
     return decode_attention_mma(p, a.head_dim, rows, grid_of(a, splits), stream);
   }
-  return launch_cuda_cores(p, a.head_dim, rows, grid_of(a, splits), false, stream);
+  return launch_cuda_cores(p, a.head_dim, rows, grid_of(a, splits), false, a.staged_kv, stream);
 }
 
 const char* decode_attention_rope_check(const PagedAttentionArgs& a, const DecodeRopeArgs& r) {
@@ -534,7 +638,7 @@ cudaError_t decode_attention_rope(const PagedAttentionArgs& a, const DecodeRopeA
   p.k_write = const_cast<__nv_bfloat16*>(p.k_pool);
   p.v_write = const_cast<__nv_bfloat16*>(p.v_pool);
   const int rows = a.max_query_len * (a.num_heads / a.num_kv_heads);
-  return launch_cuda_cores(p, a.head_dim, rows, grid_of(a, splits), true, stream);
+  return launch_cuda_cores(p, a.head_dim, rows, grid_of(a, splits), true, false, stream);
 }
 
 }  // namespace cuda

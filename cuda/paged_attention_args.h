@@ -58,6 +58,9 @@ struct PagedAttentionArgs {
   // Testing and tuning: the CUDA decode kernel's tensor-core variant for every row count, not only
   // above 16 rows per (sequence, KV head) (the Triton kernels ignore it).
   bool force_tensor_cores = false;
+  // The CUDA-core decode kernel with K/V staged in shared memory by cp.async instead of registers
+  // (same results, bit for bit; kernels.attention = "staged"; the Triton kernels ignore it).
+  bool staged_kv = false;
 };
 
 }  // namespace dflash

@@ -488,13 +488,14 @@ void cuda_cublaslt_gemm(const Any& x, const Any& w, const Any& out, std::optiona
 // per (sequence, KV head) or with tensor_cores) with the argument names of
 // triton_paged_attention; workspace (any dtype) and counters (int32 [>= num_seqs * nkv], zero)
 // enable split-KV. stream: launch there and return; None: default stream, synchronised.
-// symmetric_window: with window > 0, keys |q_pos - j| < window (causal ignored).
+// symmetric_window: with window > 0, keys |q_pos - j| < window (causal ignored). staged: the
+// CUDA-core kernel with K/V staged in shared memory (PagedAttentionArgs::staged_kv).
 // Returns the split count launched.
 int cuda_decode_attention(const Any& q, const Any& k_pool, const Any& v_pool, const Any& out, const I32& query_start,
                           const I32& kv_len, const I32& block_table, bool causal, int32_t window,
                           int32_t max_query_len, int32_t max_kv_len, std::optional<Any> workspace,
                           std::optional<I32> counters, int32_t force_splits, std::optional<uintptr_t> stream,
-                          bool symmetric_window, bool tensor_cores) {
+                          bool symmetric_window, bool tensor_cores, bool staged) {
   PagedAttentionArgs a = paged_attention_args(q, k_pool, v_pool, out, query_start, kv_len, block_table, causal,
                                               window, symmetric_window, max_query_len, max_kv_len, workspace,
                                               force_splits);
@@ -503,6 +504,7 @@ int cuda_decode_attention(const Any& q, const Any& k_pool, const Any& v_pool, co
     a.counter_slots = static_cast<int64_t>(counters->size());
   }
   a.force_tensor_cores = tensor_cores;
+  a.staged_kv = staged;
   const char* why = cuda::decode_attention_check(a);
   DFLASH_ARG_CHECK(why == nullptr, "decode_attention: ", why ? why : "");
   DFLASH_ARG_CHECK(force_splits >= 0 && force_splits <= cuda::decode_attention_max_splits(),
@@ -595,7 +597,7 @@ void bind_cuda_testing(nb::module_& m) {
   m.def("cuda_decode_attention", &cuda_decode_attention, "q"_a, "k_pool"_a, "v_pool"_a, "out"_a, "query_start"_a,
         "kv_len"_a, "block_table"_a, "causal"_a, "window"_a, "max_query_len"_a, "max_kv_len"_a,
         "workspace"_a = nb::none(), "counters"_a = nb::none(), "force_splits"_a = 0, "stream"_a = nb::none(),
-        "symmetric_window"_a = false, "tensor_cores"_a = false);
+        "symmetric_window"_a = false, "tensor_cores"_a = false, "staged"_a = false);
   m.def("cuda_decode_attention_rope", &cuda_decode_attention_rope, "qkv"_a, "q_norm"_a.none(), "k_norm"_a.none(),
         "eps"_a, "positions"_a, "inv_freq"_a, "slots"_a, "k_pool"_a, "v_pool"_a, "out"_a, "query_start"_a, "kv_len"_a,
         "block_table"_a, "causal"_a, "window"_a, "max_query_len"_a, "max_kv_len"_a, "workspace"_a = nb::none(),

@@ -18,9 +18,12 @@ struct KernelOptions {
   // CUDA: norms and activations fused into the skinny GEMMs (false: the unfused kernels).
   bool fused_layers = true;
   // CUDA decode attention: "auto" (the CUDA-core split-KV kernel for the AR step's few rows at
-  // batch <= 2 of 8 KV heads, else Triton), "triton" (always the AOT Triton kernels) or
+  // batch <= 2 of 8 KV heads, else Triton), "triton" (always the AOT Triton kernels),
   // "tensor_cores" (the tensor-core split-KV kernel for every launch of up to 64 rows per KV head:
-  // AR, verify and drafter blocks; opt-in, for A/B timing).
+  // AR, verify and drafter blocks; opt-in, for A/B timing) or "staged" (as "auto", with the
+  // CUDA-core kernel's K/V staged in shared memory by cp.async instead of held in registers: fewer
+  // registers, the same bits; opt-in until measured in the step; the fused RoPE prologue keeps the
+  // register version).
   std::string attention = "auto";
   // CUDA: the weights of a decoder layer's linear layers loaded into L2 ahead of their GEMM, in
   // the time that the latency-bound kernels before it (norms, RoPE, decode attention) leave HBM

@@ -9,7 +9,8 @@
 # GQA 32/8, 4/4, 9/3; head_dim 64 and 128; one split, the automatic split count and forced ones
 # (the last CTA combines the partials, its counters return to zero), long contexts, symmetric
 # windows (|q_pos - j| < window), replay inside a CUDA graph, determinism, non-finite V behind
-# the causal mask, and the arguments it refuses.
+# the causal mask, and the arguments it refuses. The staged-K/V version of the CUDA-core kernel
+# (staged=True) is run through the same checks and must give the register version's bits.
 from __future__ import annotations
 
 import pytest
@@ -36,11 +37,17 @@ def rows_fit(nh, nkv, kind, kv_len):
 
 
 # (kind, kernel): the CUDA-core kernel's row counts on both kernels; verify rows take tensor cores.
-KINDS = [("decode", "auto"), ("decode", "tensor_cores"), ("multi", "auto"), ("multi", "tensor_cores"),
-         ("verify", "auto"), ("verify8", "auto")]
+KINDS = [("decode", "auto"), ("decode", "tensor_cores"), ("decode", "staged"), ("multi", "auto"),
+         ("multi", "tensor_cores"), ("multi", "staged"), ("verify", "auto"), ("verify8", "auto")]
 
 
-def run(b, causal, window, *, splits="none", force_splits=0, counters=None, symmetric=False, tensor_cores=False):
+def kernel_kw(kernel):
+    """run()'s keyword arguments for a kernel name: auto, tensor_cores or staged."""
+    return dict(tensor_cores=kernel == "tensor_cores", staged=kernel == "staged")
+
+
+def run(b, causal, window, *, splits="none", force_splits=0, counters=None, symmetric=False, tensor_cores=False,
+        staged=False):
     """Runs the kernel on batch b; splits: "none" (no workspace), or "auto"/"forced" with one."""
     import torch
 
@@ -56,7 +63,7 @@ def run(b, causal, window, *, splits="none", force_splits=0, counters=None, symm
     launched = t.cuda_decode_attention(b.q_dev, b.k_pool, b.v_pool, out, b.query_start, b.kv_len, b.table, causal,
                                        window, max(b.q_lens), max(b.kv_lens), workspace=ws, counters=counters,
                                        force_splits=force_splits, symmetric_window=symmetric,
-                                       tensor_cores=tensor_cores)
+                                       tensor_cores=tensor_cores, staged=staged)
     if counters is not None:
         assert int(counters.abs().sum()) == 0, "the split counters must return to zero"
     return out.float().cpu(), launched
@@ -69,17 +76,17 @@ def run(b, causal, window, *, splits="none", force_splits=0, counters=None, symm
 def test_matches_reference(nh, nkv, hd, batch, kind, kernel, mode):
     causal, window = MODES[mode]
     kv_lens = BATCH_KV[batch]
-    tc = kernel == "tensor_cores"
+    kw = kernel_kw(kernel)
     b = Batch(kv_lens, [rows_fit(nh, nkv, kind, n) for n in kv_lens], nh, nkv, hd, seed=batch * 1000 + nh + hd)
     ref = b.reference(causal, window)
-    out, splits = run(b, causal, window, tensor_cores=tc)
+    out, splits = run(b, causal, window, **kw)
     assert splits == 1
     assert_matches(out, ref, "one split")
-    out, splits = run(b, causal, window, splits="auto", tensor_cores=tc)
+    out, splits = run(b, causal, window, splits="auto", **kw)
     assert splits >= 1
     assert_matches(out, ref, f"auto ({splits} splits)")
     for forced in (3, 32):
-        out, splits = run(b, causal, window, splits="forced", force_splits=forced, tensor_cores=tc)
+        out, splits = run(b, causal, window, splits="forced", force_splits=forced, **kw)
         assert splits == forced
         assert_matches(out, ref, f"{forced} splits")
 
@@ -92,17 +99,18 @@ def test_long_context(nh, nkv, hd, kind, kernel, mode):
     kv_lens = [8192, 5000, 3]
     b = Batch(kv_lens, [rows_fit(nh, nkv, kind, n) for n in kv_lens], nh, nkv, hd, seed=7)
     ref = b.reference(causal, window)
-    tc = kernel == "tensor_cores"
-    out, splits = run(b, causal, window, splits="auto", tensor_cores=tc)
+    kw = kernel_kw(kernel)
+    out, splits = run(b, causal, window, splits="auto", **kw)
     assert splits > 1 or window > 0  # a 64-key window needs one split
     assert_matches(out, ref, f"long context, {splits} splits")
-    out, splits = run(b, causal, window, tensor_cores=tc)  # one CTA over every key: many passes
+    out, splits = run(b, causal, window, **kw)  # one CTA over every key: many passes
     assert splits == 1
     assert_matches(out, ref, "long context, one split")
 
 
 @pytest.mark.parametrize("window", [1, 3, 16, 2048])
-@pytest.mark.parametrize("kind,kernel", [("multi", "auto"), ("multi", "tensor_cores"), ("verify", "auto")])
+@pytest.mark.parametrize("kind,kernel", [("multi", "auto"), ("multi", "tensor_cores"), ("multi", "staged"),
+                                         ("verify", "auto")])
 @pytest.mark.parametrize("nh,nkv,hd", HEADS)
 def test_symmetric_window(nh, nkv, hd, kind, kernel, window):
     """A block of queries at the end of each sequence sees the keys |q_pos - j| < window, those
@@ -110,35 +118,36 @@ def test_symmetric_window(nh, nkv, hd, kind, kernel, window):
     import torch
 
     kv_lens = [1, 4, 5, 17, 64, 65, 129, 1000, 4999]
-    tc = kernel == "tensor_cores"
+    kw = kernel_kw(kernel)
     b = Batch(kv_lens, [rows_fit(nh, nkv, kind, n) for n in kv_lens], nh, nkv, hd, seed=window + nh + hd)
     ref = b.reference(False, window, symmetric=True)
-    out, splits = run(b, False, window, symmetric=True, tensor_cores=tc)
+    out, splits = run(b, False, window, symmetric=True, **kw)
     assert splits == 1
     assert_matches(out, ref, f"symmetric w{window}, one split")
-    out, splits = run(b, False, window, splits="auto", symmetric=True, tensor_cores=tc)
+    out, splits = run(b, False, window, splits="auto", symmetric=True, **kw)
     assert_matches(out, ref, f"symmetric w{window}, auto ({splits} splits)")
     for forced in (3, 32):
-        out, splits = run(b, False, window, splits="forced", force_splits=forced, symmetric=True, tensor_cores=tc)
+        out, splits = run(b, False, window, splits="forced", force_splits=forced, symmetric=True, **kw)
         assert splits == forced
         assert_matches(out, ref, f"symmetric w{window}, {forced} splits")
-    out, _ = run(b, True, window, symmetric=True, tensor_cores=tc)  # takes precedence over causal
+    out, _ = run(b, True, window, symmetric=True, **kw)  # takes precedence over causal
     assert_matches(out, ref, f"symmetric w{window} with causal set")
     if window > 1 and max(b.q_lens) > 1:
         assert not torch.allclose(ref, b.reference(True, window), atol=0.1)
 
 
-@pytest.mark.parametrize("q_len,tc", [(1, False), (1, True), (16, False)])
-def test_deterministic_and_graph_replay(q_len, tc):
+@pytest.mark.parametrize("q_len,kernel", [(1, "auto"), (1, "tensor_cores"), (1, "staged"), (4, "staged"),
+                                          (16, "auto")])
+def test_deterministic_and_graph_replay(q_len, kernel):
     """Bit-identical across runs, and inside a CUDA graph replayed twice (the counters reset)."""
     import torch
 
     t = _testing()
     b = Batch([1000, 300], [q_len, q_len], 32, 8, 128, seed=3)
     ref = b.reference(True, 0)
-    first, splits = run(b, True, 0, splits="auto", tensor_cores=tc)
+    first, splits = run(b, True, 0, splits="auto", **kernel_kw(kernel))
     assert splits > 1
-    again, _ = run(b, True, 0, splits="auto", tensor_cores=tc)
+    again, _ = run(b, True, 0, splits="auto", **kernel_kw(kernel))
     assert torch.equal(first, again)
     ws = torch.empty(t.cuda_decode_attention_workspace_bytes(b.q.shape[0], 32, 128, splits), dtype=torch.uint8,
                      device="cuda")
@@ -149,7 +158,7 @@ def test_deterministic_and_graph_replay(q_len, tc):
     with torch.cuda.graph(graph, stream=stream):
         t.cuda_decode_attention(b.q_dev, b.k_pool, b.v_pool, out, b.query_start, b.kv_len, b.table, True, 0,
                                 q_len, 1000, workspace=ws, counters=counters, stream=stream.cuda_stream,
-                                tensor_cores=tc)
+                                **kernel_kw(kernel))
     for _ in range(2):
         out.fill_(float("nan"))
         graph.replay()
@@ -159,18 +168,19 @@ def test_deterministic_and_graph_replay(q_len, tc):
     assert_matches(first, ref, "graph replay")
 
 
-@pytest.mark.parametrize("q_len,tc", [(1, False), (1, True), (16, False)])
-def test_short_sequences_and_empty_ones(q_len, tc):
+@pytest.mark.parametrize("q_len,kernel", [(1, "auto"), (1, "tensor_cores"), (1, "staged"), (4, "staged"),
+                                          (16, "auto")])
+def test_short_sequences_and_empty_ones(q_len, kernel):
     """kv_len 1 .. 70 around the 64-key pass, and a sequence without queries (left untouched)."""
     kv_lens = [1, 2, 63, 64, 65, 70, 5]
     b = Batch(kv_lens, [min(q_len, n) for n in kv_lens[:-1]] + [0], 32, 8, 128, seed=11)
     ref = b.reference(True, 0)
-    out, _ = run(b, True, 0, splits="forced", force_splits=4, tensor_cores=tc)
+    out, _ = run(b, True, 0, splits="forced", force_splits=4, **kernel_kw(kernel))
     assert_matches(out, ref, "short sequences")
 
 
-@pytest.mark.parametrize("q_len,tc", [(4, False), (4, True), (16, False)])
-def test_non_finite_v_behind_the_causal_mask(q_len, tc):
+@pytest.mark.parametrize("q_len,kernel", [(4, "auto"), (4, "tensor_cores"), (4, "staged"), (16, "auto")])
+def test_non_finite_v_behind_the_causal_mask(q_len, kernel):
     """The last query's K and V rows are NaN (a rejected draft's NaN row): the earlier queries,
     which mask that key, keep finite outputs equal to the reference; the last row is not finite."""
     import torch
@@ -185,12 +195,30 @@ def test_non_finite_v_behind_the_causal_mask(q_len, tc):
         b.vs[s][j] = 0.0
     ref = b.reference(True, 0)
     for splits in ("none", "auto"):
-        out, _ = run(b, True, 0, splits=splits, tensor_cores=tc)
+        out, _ = run(b, True, 0, splits=splits, **kernel_kw(kernel))
         for s in range(len(b.kv_lens)):
             rows = slice(b.starts[s], b.starts[s + 1] - 1)  # all but the last query
             assert torch.isfinite(out[rows]).all(), f"sequence {s}: a masked NaN key leaked ({splits})"
             assert_matches(out[rows], ref[rows], f"sequence {s}, masked NaN key ({splits})")
             assert not torch.isfinite(out[b.starts[s + 1] - 1]).any(), "the query that sees the NaN key"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["decode", "multi"])
+@pytest.mark.parametrize("nh,nkv,hd", HEADS)
+def test_staged_kv_has_the_register_versions_bits(nh, nkv, hd, kind, mode):
+    """Staging K/V in shared memory changes the data movement only: every output bit equals the
+    register version's, one split, automatic, forced and many passes per CTA."""
+    import torch
+
+    causal, window = MODES[mode]
+    kv_lens = [1, 63, 64, 65, 300, 4999]
+    b = Batch(kv_lens, [rows_fit(nh, nkv, kind, n) for n in kv_lens], nh, nkv, hd, seed=nh * 7 + hd)
+    for splits, forced in (("none", 0), ("auto", 0), ("forced", 3), ("forced", 32)):
+        want, n = run(b, causal, window, splits=splits, force_splits=forced)
+        got, m = run(b, causal, window, splits=splits, force_splits=forced, staged=True)
+        assert n == m
+        assert torch.equal(got, want), f"{splits} {forced}: staged K/V changed the output"
 
 
 def test_rejects_unsupported_arguments():
@@ -208,3 +236,24 @@ def test_rejects_unsupported_arguments():
     with pytest.raises(ValueError, match="force_splits"):
         t.cuda_decode_attention(b.q_dev, b.k_pool, b.v_pool, out, b.query_start, b.kv_len, b.table, True, 0, 1, 100,
                                 force_splits=33)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+@pytest.mark.parametrize("arch,nh,nkv,hd", [("qwen3", 8, 2, 128), ("llama", 9, 3, 64)])
+def test_staged_session_is_bit_identical(arch, nh, nkv, hd, spec, tmp_path):
+    """DFLASH_ATTENTION=staged: the same tokens and logits as the default routing, target-only and
+    with a DFlash drafter, and the profiler sees the staged kernel run."""
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    from .session_runs import run_session, tiny_drafter
+
+    target = write_tiny_model(tmp_path / "m", arch=arch, hidden_size=nh * hd, num_layers=2, num_heads=nh,
+                              num_kv_heads=nkv, head_dim=hd, intermediate_size=512, dtype="bfloat16", seed=17)
+    draft = tiny_drafter(tmp_path / "d", target) if spec else None
+    auto = run_session(target, draft, {"DFLASH_ATTENTION": "auto"}, kernels="decode_attention_kernel")
+    staged = run_session(target, draft, {"DFLASH_ATTENTION": "staged"}, kernels="decode_attention_kernel")
+    assert staged["tokens"] == auto["tokens"]
+    assert staged["logits"] == auto["logits"]
+    # the kernels' demangled names end in <head_dim, rows, ROPE, STAGED>(...)
+    assert any("false, true>" in name for name in staged["kernels"]), staged["kernels"]
+    assert not any("false, true>" in name for name in auto["kernels"]), auto["kernels"]

@@ -226,6 +226,6 @@ def test_session_is_bit_identical(arch, nh, nkv, hd, spec, tmp_path):
     on = run_session(target, draft, {"DFLASH_ROPE_ATTENTION": "1"}, kernels="decode_attention_kernel")
     assert on["tokens"] == off["tokens"]
     assert on["logits"] == off["logits"]
-    # the kernels' demangled names end in <head_dim, rows, ROPE>(...)
-    assert any("true>" in name for name in on["kernels"]), on["kernels"]
-    assert not any("true>" in name for name in off["kernels"]), off["kernels"]
+    # the kernels' demangled names end in <head_dim, rows, ROPE, STAGED>(...)
+    assert any("true, false>" in name for name in on["kernels"]), on["kernels"]
+    assert not any("true, false>" in name for name in off["kernels"]), off["kernels"]

@@ -75,12 +75,14 @@ CudaBackend::CudaBackend(int device, size_t scratch_bytes, const KernelOptions& 
   gemm_mode_ = gemm_mode_of(kernels.gemm);  // first: it may throw, before anything is allocated
   fused_layers_ = kernels.fused_layers;     // false: unfused layer ops, for A/B timing
   batch_invariant_ = kernels.batch_invariant;
-  DFLASH_ARG_CHECK(kernels.attention == "auto" || kernels.attention == "triton" || kernels.attention == "tensor_cores",
-                   "kernels.attention (DFLASH_ATTENTION) must be auto, triton or tensor_cores, got '",
+  DFLASH_ARG_CHECK(kernels.attention == "auto" || kernels.attention == "triton" || kernels.attention == "tensor_cores" ||
+                       kernels.attention == "staged",
+                   "kernels.attention (DFLASH_ATTENTION) must be auto, triton, tensor_cores or staged, got '",
                    kernels.attention, "'");
   cuda_decode_attention_ = kernels.attention != "triton";
   rope_attention_ = kernels.rope_attention;
   attention_tensor_cores_ = kernels.attention == "tensor_cores";
+  attention_staged_ = kernels.attention == "staged";
   l2_prefetch_mask_ = l2_prefetch_mask_of(kernels.l2_prefetch);
   cuda_driver::set_pdl_enabled(kernels.programmatic_launch);
   cublaslt_path_ = kernels.cublaslt_path;
@@ -435,6 +437,7 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
   } else if (cuda_decode_attention_) {
     // few rows per (sequence, KV head): the CUDA decode kernels where routed (cuda_backend.h)
     a.force_tensor_cores = attention_tensor_cores_;
+    a.staged_kv = attention_staged_;
     const bool routed = attention_tensor_cores_ || cuda_core_attention(meta, q.dim(1), pool);
     if (routed && cuda::decode_attention_check(a) == nullptr) {
       DFLASH_CUDA_CHECK(cuda::decode_attention(a, stream_));

@@ -167,6 +167,9 @@ class CudaBackend final : public Backend {
   // (bench/results/gpu_h200_attention_tensor_cores.json, 2026-12-04).
   bool cuda_decode_attention_ = true;
   bool attention_tensor_cores_ = false;
+  // KernelOptions::attention "staged": the CUDA-core kernel's launches (same routing as "auto") with
+  // K/V staged in shared memory by cp.async instead of registers (same bits; opt-in until measured).
+  bool attention_staged_ = false;
   // KernelOptions::rope_attention: rope_write_attention runs the CUDA-core decode kernel with the
   // QKV norm / RoPE / K/V write fused in (cuda::decode_attention_rope) where that kernel is routed
   // (above) and supports the pointers; elsewhere the two unfused launches.
