@@ -20,8 +20,8 @@ import torch
 import dflash
 from dflash import _core
 from dflash.drafter_format import write_dflash_drafter
-from tests.runtime_helpers import DRAFT_PROMPTS, assert_no_leaks, greedy_ids, sampled_second_tokens, small_dflash2, target_config
-from tests.test_dflash_sampling import _chi2_ok, _target_probs
+from tests.runtime_helpers import DRAFT_PROMPTS, assert_no_leaks, greedy_ids, small_dflash2, target_config
+from tests.test_dflash_sampling import check_sampled_second_token
 
 K = _core.testing
 PROMPTS = DRAFT_PROMPTS
@@ -259,16 +259,7 @@ def test_k_candidate_sampling_with_fp8_head_matches_target_distribution(tmp_path
                  output_multiplier=1e-3)
     spec = dflash.Session(target, draft=d, device="cpu", num_threads=2, draft_head="fp8")
     ar = dflash.Session(target, device="cpu", num_threads=2)
-    prompt, first, T = [17, 42, 99, 7, 250, 31], 120, 0.8
-    probs = _target_probs(ar, prompt, first, T, top_p)
-    results = sampled_second_tokens(spec, prompt, first, temperature=T, top_p=top_p, num_seeds=N)
-    second = np.array([r.token_ids[1] for r in results])
-    chi2, dof, ok = _chi2_ok(second, probs)
-    accepted = sum(r.metrics.num_accepted > 0 for r in results)
-    print(f"DFlash2 fp8 head top_p={top_p}: chi2={chi2:.1f} dof={dof} first drafts accepted {accepted} / {N}")
-    assert ok, (chi2, dof)
-    assert accepted >= 10
-    assert_no_leaks(spec)
+    check_sampled_second_token(spec, ar, [17, 42, 99, 7, 250, 31], 120, 0.8, top_p, N, "DFlash2 fp8 head")
 
 
 def test_draft_head_refusals(tmp_path, target):

@@ -19,9 +19,9 @@ from safetensors.numpy import load_file
 
 import dflash
 from dflash.drafter_format import write_dflash_drafter
-from tests.runtime_helpers import DRAFT_PROMPTS, assert_no_leaks, greedy_ids, sampled_second_tokens, target_config
+from tests.runtime_helpers import DRAFT_PROMPTS, assert_no_leaks, greedy_ids, target_config
 from tests.test_dflash2_fp8 import quantize_ref, torch_decode
-from tests.test_dflash_sampling import _chi2_ok, _target_probs
+from tests.test_dflash_sampling import check_sampled_second_token
 
 PROMPTS = DRAFT_PROMPTS
 
@@ -102,16 +102,7 @@ def test_probabilistic_fp8_drafts_keep_the_target_distribution(tmp_path, target,
     spec = dflash.Session(target, draft=d, device="cpu", num_threads=2, draft_sampling="probabilistic",
                           draft_head="fp8")
     ar = dflash.Session(target, device="cpu", num_threads=2)
-    prompt, first, T, n = PROMPTS[0], 120, 2.0, 2000
-    probs = _target_probs(ar, prompt, first, T, top_p)
-    results = sampled_second_tokens(spec, prompt, first, temperature=T, top_p=top_p, num_seeds=n)
-    second = np.array([r.token_ids[1] for r in results])
-    chi2, dof, ok = _chi2_ok(second, probs)
-    accepted = sum(r.metrics.num_accepted > 0 for r in results)
-    print(f"probabilistic DFlash, FP8 head, top_p={top_p}: chi2={chi2:.1f} dof={dof} accepted {accepted} / {n}")
-    assert ok, (chi2, dof)
-    assert accepted >= 10
-    assert_no_leaks(spec)
+    check_sampled_second_token(spec, ar, PROMPTS[0], 120, 2.0, top_p, 2000, "probabilistic DFlash, FP8 head")
 
 
 def test_cli_options_reach_the_session(monkeypatch):

@@ -52,6 +52,23 @@ def _chi2_ok(samples, probs):
     return chi2, dof, chi2 < limit
 
 
+def check_sampled_second_token(spec, ar, prompt, first, temperature, top_p, num_seeds, label, min_accepted=10):
+    """The token sampled after a forced `first` token goes through spec's speculative step (its
+    first draft through acceptance): over num_seeds seeds it must follow ar's distribution
+    (chi-squared), with at least min_accepted first drafts accepted (the acceptance branch ran, not
+    only the residual one), and spec must hold no KV block afterwards. Returns (chi2, dof)."""
+    probs = _target_probs(ar, prompt, first, temperature, top_p)
+    results = sampled_second_tokens(spec, prompt, first, temperature=temperature, top_p=top_p, num_seeds=num_seeds)
+    second = np.array([r.token_ids[1] for r in results])
+    chi2, dof, ok = _chi2_ok(second, probs)
+    accepted = sum(r.metrics.num_accepted > 0 for r in results)
+    print(f"{label} top_p={top_p}: chi2={chi2:.1f} dof={dof} first drafts accepted {accepted} / {num_seeds}")
+    assert ok, (chi2, dof)
+    assert accepted >= min_accepted
+    assert_no_leaks(spec)
+    return chi2, dof
+
+
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 @pytest.mark.parametrize("proposal", ["random_drafter", "likeliest_token"])
 def test_speculative_sampling_matches_target_distribution(tmp_path, tiny_model_dirs, top_p, proposal):
