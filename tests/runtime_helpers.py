@@ -264,6 +264,17 @@ def greedy_ids(session, prompts, max_tokens: int = 20) -> list[list[int]]:
     return [o.token_ids for o in session.generate(prompts, params)]
 
 
+def assert_greedy_like_target(spec, ar, prompts, max_tokens: int = 20) -> None:
+    """Greedy speculative output of `spec` equals target-only greedy output of `ar`, batched and
+    each prompt alone; speculative steps ran and no KV block is left held."""
+    expected = greedy_ids(ar, prompts, max_tokens)
+    assert greedy_ids(spec, prompts, max_tokens) == expected  # batched
+    for prompt, want in zip(prompts, expected):
+        assert greedy_ids(spec, [prompt], max_tokens) == [want]  # alone
+    assert spec.stats()["num_spec_steps"] > 0
+    assert_no_leaks(spec)
+
+
 def assert_greedy_walk_like_walk(greedy, walk, prompts) -> None:
     """A draft_sampling="greedy" DFlash2 session proposes the default walk's drafts (propose runs
     at T = 0) with realized rows one-hot at the walked candidate: 0 there, -inf elsewhere."""

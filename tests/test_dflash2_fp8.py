@@ -20,7 +20,7 @@ import torch
 import dflash
 from dflash import _core
 from dflash.drafter_format import write_dflash_drafter
-from tests.runtime_helpers import DRAFT_PROMPTS, assert_no_leaks, greedy_ids, small_dflash2, target_config
+from tests.runtime_helpers import DRAFT_PROMPTS, assert_greedy_like_target, small_dflash2, target_config
 from tests.test_dflash_sampling import check_sampled_second_token
 
 K = _core.testing
@@ -208,12 +208,7 @@ def test_greedy_speculative_output_with_fp8_head_equals_target_greedy(tmp_path, 
     d = small_dflash2(tmp_path, target, **geometry)
     spec = dflash.Session(target, draft=d, device="cpu", num_threads=2, draft_head="fp8")
     ar = dflash.Session(target, device="cpu", num_threads=2)
-    expected = greedy_ids(ar, PROMPTS)
-    assert greedy_ids(spec, PROMPTS) == expected  # batched
-    for prompt, want in zip(PROMPTS, expected):
-        assert greedy_ids(spec, [prompt]) == [want]  # alone
-    assert spec.stats()["num_spec_steps"] > 0
-    assert_no_leaks(spec)
+    assert_greedy_like_target(spec, ar, PROMPTS)
 
 
 def test_fp8_head_unary_is_the_exact_head_and_weights_are_counted(tmp_path, tiny_model_dirs):

@@ -17,7 +17,7 @@ import pytest
 import dflash
 from dflash.drafter_format import write_dflash_drafter
 from tests.reference.dflash2_reference import load_drafter2, propose2_ref, spec_generate2_ref
-from tests.runtime_helpers import DRAFT_PROMPTS, assert_greedy_walk_like_walk, assert_no_leaks, greedy_ids, small_dflash2, target_config
+from tests.runtime_helpers import DRAFT_PROMPTS, assert_greedy_like_target, assert_greedy_walk_like_walk, assert_no_leaks, greedy_ids, small_dflash2, target_config
 from tests.test_dflash_sampling import check_sampled_second_token
 
 PROMPTS = DRAFT_PROMPTS
@@ -45,12 +45,7 @@ def test_greedy_speculative_output_equals_target_greedy(tmp_path, target, geomet
     d = small_dflash2(tmp_path, target, **geometry)
     spec = dflash.Session(target, draft=d, device="cpu", num_threads=2)
     ar = dflash.Session(target, device="cpu", num_threads=2)
-    expected = greedy_ids(ar, PROMPTS)
-    assert greedy_ids(spec, PROMPTS) == expected  # batched
-    for prompt, want in zip(PROMPTS, expected):
-        assert greedy_ids(spec, [prompt]) == [want]  # alone
-    assert spec.stats()["num_spec_steps"] > 0
-    assert_no_leaks(spec)
+    assert_greedy_like_target(spec, ar, PROMPTS)
 
 
 @pytest.mark.parametrize("preset, geometry", [

@@ -94,3 +94,15 @@ def tiny_drafter(directory: Path, target: Path, num_layers: int = 2, block_size:
     return write_dflash_drafter(
         directory, target_config=cfg, num_layers=num_layers, target_layer_ids=[0, 1], block_size=block_size
     )
+
+
+def assert_switch_keeps_bits(target, draft, off_env: dict, on_env: dict, marker: str) -> None:
+    """A session under on_env gives the tokens and logits of one under off_env, and only on_env's
+    run shows a decode_attention_kernel whose demangled name contains `marker` (its template
+    arguments, e.g. "true, false>" for <head_dim, rows, ROPE, STAGED>)."""
+    off = run_session(target, draft, off_env, kernels="decode_attention_kernel")
+    on = run_session(target, draft, on_env, kernels="decode_attention_kernel")
+    assert on["tokens"] == off["tokens"]
+    assert on["logits"] == off["logits"]
+    assert any(marker in name for name in on["kernels"]), on["kernels"]
+    assert not any(marker in name for name in off["kernels"]), off["kernels"]

@@ -245,15 +245,11 @@ def test_staged_session_is_bit_identical(arch, nh, nkv, hd, spec, tmp_path):
     with a DFlash drafter, and the profiler sees the staged kernel run."""
     from tests.fixtures.tiny_models import write_tiny_model
 
-    from .session_runs import run_session, tiny_drafter
+    from .session_runs import assert_switch_keeps_bits, tiny_drafter
 
     target = write_tiny_model(tmp_path / "m", arch=arch, hidden_size=nh * hd, num_layers=2, num_heads=nh,
                               num_kv_heads=nkv, head_dim=hd, intermediate_size=512, dtype="bfloat16", seed=17)
     draft = tiny_drafter(tmp_path / "d", target) if spec else None
-    auto = run_session(target, draft, {"DFLASH_ATTENTION": "auto"}, kernels="decode_attention_kernel")
-    staged = run_session(target, draft, {"DFLASH_ATTENTION": "staged"}, kernels="decode_attention_kernel")
-    assert staged["tokens"] == auto["tokens"]
-    assert staged["logits"] == auto["logits"]
-    # the kernels' demangled names end in <head_dim, rows, ROPE, STAGED>(...)
-    assert any("false, true>" in name for name in staged["kernels"]), staged["kernels"]
-    assert not any("false, true>" in name for name in auto["kernels"]), auto["kernels"]
+    # decode_attention_kernel<head_dim, rows, ROPE, STAGED>
+    assert_switch_keeps_bits(target, draft, {"DFLASH_ATTENTION": "auto"}, {"DFLASH_ATTENTION": "staged"},
+                             "false, true>")

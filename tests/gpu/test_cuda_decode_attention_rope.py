@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from .session_runs import run_session, tiny_drafter
+from .session_runs import assert_switch_keeps_bits, tiny_drafter
 from .test_triton_attention import _SKIP_REASON, BATCH_KV, HEADS, MODES, Batch
 
 pytestmark = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
@@ -222,10 +222,6 @@ def test_session_is_bit_identical(arch, nh, nkv, hd, spec, tmp_path):
         draft = tiny_drafter(tmp_path / "d", target)
     elif spec == "dflash2":
         draft = gpu_dflash2(tmp_path, target, block_size=8)
-    off = run_session(target, draft, {"DFLASH_ROPE_ATTENTION": "0"}, kernels="decode_attention_kernel")
-    on = run_session(target, draft, {"DFLASH_ROPE_ATTENTION": "1"}, kernels="decode_attention_kernel")
-    assert on["tokens"] == off["tokens"]
-    assert on["logits"] == off["logits"]
-    # the kernels' demangled names end in <head_dim, rows, ROPE, STAGED>(...)
-    assert any("true, false>" in name for name in on["kernels"]), on["kernels"]
-    assert not any("true, false>" in name for name in off["kernels"]), off["kernels"]
+    # decode_attention_kernel<head_dim, rows, ROPE, STAGED>
+    assert_switch_keeps_bits(target, draft, {"DFLASH_ROPE_ATTENTION": "0"}, {"DFLASH_ROPE_ATTENTION": "1"},
+                             "true, false>")
