@@ -45,7 +45,8 @@
 // to about half), so more of the next kernel's CTAs fit beside it under programmatic launch. Thread
 // (w, l) copies exactly the K it reads in QK (key 16 w + l / 2, half l % 2 of hd); a key's row in
 // shared memory keeps its two halves 16 bytes apart (and rows 32 bytes longer than hd), so the QK
-// reads of a quarter warp and the PV reads of a warp are free of bank conflicts. Every product,
+// reads of a quarter warp are free of bank conflicts, and so are the PV reads at head_dim 128 (at
+// 64, lanes 28..31 share banks with lanes 0..3: one extra wavefront per V read). Every product,
 // sum and rounding is the register version's, in the same order: the outputs have its bits. The
 // fused RoPE prologue runs on the register version only.
 //

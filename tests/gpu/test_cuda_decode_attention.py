@@ -238,8 +238,10 @@ def test_rejects_unsupported_arguments():
                                 force_splits=33)
 
 
-@pytest.mark.parametrize("spec", [False, True])
-@pytest.mark.parametrize("arch,nh,nkv,hd", [("qwen3", 8, 2, 128), ("llama", 9, 3, 64)])
+# Target-only on a GQA group of 4 and of 3; with a DFlash drafter on group 1, where the drafter's
+# 8-token blocks and the 9-row verify fit in 16 rows per KV head and so run on the CUDA-core kernel.
+@pytest.mark.parametrize("arch,nh,nkv,hd,spec", [("qwen3", 8, 2, 128, False), ("llama", 9, 3, 64, False),
+                                                 ("llama", 4, 4, 64, True)])
 def test_staged_session_is_bit_identical(arch, nh, nkv, hd, spec, tmp_path):
     """DFLASH_ATTENTION=staged: the same tokens and logits as the default routing, target-only and
     with a DFlash drafter, and the profiler sees the staged kernel run."""
