@@ -17,7 +17,8 @@ length 1 (AR) and 16 (verify), context 512/4096, side by side in one run:
           what DFLASH_ROPE_ATTENTION=1 runs). Query length 1, Qwen3 q/k norms on.
 --geometry smollm2 times SmolLM2-135M's heads (9 query / 3 KV, head_dim 64) instead; --impls,
 --batches, --qlens and --contexts narrow the run; --splits adds forced split counts for the CUDA
-kernels (default 1).
+kernels (default 1), --triton-splits for the Triton ones (default 1,8): e.g. the verify rows'
+split rule, --qlens 16 --splits 1,2,4,8 --triton-splits 1,2,4,8.
 The automatic split counts are taken with max_kv_len as a captured graph sees it (max_model_len
 4096 + 16) and exact.
 Two timings per case: CUPTI kernel durations (torch.profiler; launch latency excluded, and with
@@ -137,6 +138,8 @@ def parse_args(argv=None):
     ap.add_argument("--qlens", type=_ints, default=[1, 16])
     ap.add_argument("--contexts", type=_ints, default=[512, 4096])
     ap.add_argument("--splits", type=_ints, default=[1], help="forced split counts of the CUDA kernels (default 1)")
+    ap.add_argument("--triton-splits", type=_ints, default=[1, 8],
+                    help="forced split counts of the Triton kernels (default 1,8)")
     args = ap.parse_args(argv)
     args.impls = [x for x in args.impls.split(",") if x]
     bad = sorted(set(args.impls) - set(IMPLS))
@@ -148,8 +151,9 @@ def parse_args(argv=None):
 def plan(args):
     """The (impl, batch, qlen, ctx, forced splits, max_kv_len) cases of a run, in order: per
     point every implementation with its own split count (from the exact max_kv_len and from a
-    captured graph's 4096 + 16) and the forced ones (Triton: 1 and 8). The tensor-core and RoPE
-    variants are timed at query length 1 only (the verify rows go to tensor cores anyway)."""
+    captured graph's 4096 + 16) and the forced ones (--splits; Triton: --triton-splits). The
+    tensor-core, staged and RoPE variants are timed at query length 1 only (the verify rows go to
+    tensor cores anyway)."""
     out = []
     for batch in args.batches:
         for qlen in args.qlens:
@@ -157,7 +161,7 @@ def plan(args):
                 for impl in args.impls:
                     if qlen != 1 and impl in ("cuda_tc", "cuda_staged") + ROPE_IMPLS:
                         continue
-                    forced = (1, 8) if impl == "triton" else tuple(args.splits)
+                    forced = tuple(args.triton_splits if impl == "triton" else args.splits)
                     for splits in (0,) + forced:  # 0: the implementation's own choice from max_kv_len
                         for max_kv in ((ctx, 4096 + 16) if splits == 0 else (ctx,)):
                             out.append((impl, batch, qlen, ctx, splits, max_kv))

@@ -159,6 +159,11 @@ def test_attention_bench_plan():
                                   "--splits", "2,4"]))
     assert [(c[0], c[4]) for c in narrow] == [("cuda", 0), ("cuda", 0), ("cuda", 2), ("cuda", 4),
                                               ("cuda_rope", 0), ("cuda_rope", 0), ("cuda_rope", 2), ("cuda_rope", 4)]
+    verify = b.plan(b.parse_args(["--impls", "triton,cuda", "--batches", "1", "--qlens", "16", "--contexts", "512",
+                                  "--splits", "2", "--triton-splits", "2,4"]))
+    assert [(c[0], c[2], c[4]) for c in verify] == [("triton", 16, 0), ("triton", 16, 0), ("triton", 16, 2),
+                                                    ("triton", 16, 4), ("cuda", 16, 0), ("cuda", 16, 0),
+                                                    ("cuda", 16, 2)]
     with pytest.raises(SystemExit):
         b.parse_args(["--impls", "cuda,nope"])
 
