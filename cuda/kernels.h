@@ -111,7 +111,8 @@ cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, i
 // M <= kStreamGemmMaxRows, K % 8 == 0, 16-byte aligned inputs; stream_gemm_supports says whether a
 // launch shape fits (shared memory). config (benchmarks; 0 = the launcher's choice): warps per CTA
 // (1..16), stages (3, 4 or 6; 6 plain only), unroll (4, or 8 with M <= 8 plain), CTAs per SM (at
-// most the occupancy); batch_invariant as SkinnyGemmConfig's (NT 2, W from K, smem for 16 rows).
+// most the occupancy); batch_invariant: one shape for every M <= 16 (NT 2, W from K, smem for 16
+// rows), its own (the backend's deterministic mode runs the skinny kernel's, not this one).
 struct StreamGemmConfig {
   int warps = 0;
   int stages = 0;
