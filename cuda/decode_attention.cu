@@ -41,14 +41,14 @@
 // Staged K/V (STAGED, PagedAttentionArgs::staged_kv; opt-in as kernels.attention = "staged"): the
 // same kernel with each pass's K and V copied global -> shared memory by cp.async (two passes in
 // flight, as the register version keeps two) instead of held in registers: the 2 x 64 registers a
-// thread spent on the current and the next pass's K/V are gone (HD 128 RB 4: from 244 registers
-// to about half), so more of the next kernel's CTAs fit beside it under programmatic launch. Thread
-// (w, l) copies exactly the K it reads in QK (key 16 w + l / 2, half l % 2 of hd); a key's row in
-// shared memory keeps its two halves 16 bytes apart (and rows 32 bytes longer than hd), so the QK
-// reads of a quarter warp are free of bank conflicts, and so are the PV reads at head_dim 128 (at
-// 64, lanes 28..31 share banks with lanes 0..3: one extra wavefront per V read). Every product,
-// sum and rounding is the register version's, in the same order: the outputs have its bits. The
-// fused RoPE prologue runs on the register version only.
+// thread spent on the current and the next pass's K/V are gone (HD 128 RB 4: 83 registers instead
+// of 244), so more of the next kernel's CTAs may fit beside it under programmatic launch (its 37 /
+// 72 KB of shared memory at HD 64 / 128 allow two CTAs per SM, as the register version's
+// registers do). Thread (w, l) copies exactly the K it reads in QK (key 16 w + l / 2, half l % 2
+// of hd); key rows are padded (StagedLayout) so that the QK reads of a quarter warp and the PV
+// reads of a warp are free of bank conflicts. Every product, sum and rounding is the register
+// version's, in the same order: the outputs have its bits. The fused RoPE prologue runs on the
+// register version only.
 //
 // Programmatic dependent launch: detail::pdl_begin() before any memory access.
 #include <algorithm>
@@ -217,15 +217,23 @@ __device__ __forceinline__ void patch_new_keys(const RopeScratch<HD>& sm, int pa
 }
 
 // STAGED: a pass's K and V in shared memory, [kStages][K, V][kPassKeys][kRow] bf16 (dynamic).
-// Element d of a key row sits at d, or d + 8 in the second half (the halves 16 bytes apart).
+// Element d of a key row sits at d in the first half and at kHalf + d - HD / 2 in the second.
+// Bank-conflict free for both readers: QK (a quarter warp reads 16 bytes at key k, half h: word
+// (k kRow + h kHalf) / 2 must fall on 8 distinct 4-bank groups) and PV (a warp reads lane l's
+// dims of one key: the second half must continue the first modulo 32 banks).
+//   HD 128: kRow 144 (72 words, 8 mod 32), kHalf 72 (36 words, 4 mod 32): groups 8k + 4h; PV
+//           reads 8 bytes a lane, each half warp its own wavefront.
+//   HD 64:  kRow 72 (36 words, 4 mod 32), kHalf 32 (16 words): groups 4k + 16h; PV contiguous.
 template <int HD>
 struct StagedLayout {
-  static constexpr int kStages = 2;           // passes in flight
-  static constexpr int kHalf = HD / 2 + 8;    // offset of the second half of a row
-  static constexpr int kRow = HD + 16;        // bf16 per key row
-  static constexpr int kTile = kPassKeys * kRow;  // K or V of one pass
+  static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
+  static constexpr int kStages = 2;                        // passes in flight
+  static constexpr int kHalf = HD == 128 ? 72 : 32;        // offset of the second half of a row
+  static constexpr int kRow = HD == 128 ? 144 : 72;        // bf16 per key row
+  static constexpr int kTile = kPassKeys * kRow;           // K or V of one pass
   static constexpr size_t kBytes = size_t{kStages} * 2 * kTile * sizeof(__nv_bfloat16);
-  static __device__ __forceinline__ int at(int d) { return d < HD / 2 ? d : d + 8; }
+  static_assert(kRow % 8 == 0 && kHalf % 8 == 0, "16-byte aligned copies");
+  static __device__ __forceinline__ int at(int d) { return d < HD / 2 ? d : kHalf + d - HD / 2; }
 };
 static_assert(kThreads == 2 * kPassKeys, "two copying threads per key of a pass");
 
