@@ -47,11 +47,15 @@
 // registers do). Thread (w, l) copies exactly the K it reads in QK (key 16 w + l / 2, half l % 2
 // of hd); key rows are padded (StagedLayout) so that the QK reads of a quarter warp and the PV
 // reads of a warp are free of bank conflicts. Every product, sum and rounding is the register
-// version's, in the same order: the outputs have its bits. The fused RoPE prologue runs on the
-// register version only.
+// version's, in the same order: the outputs have its bits. Like ROPE, it reads the metadata and
+// stages its first pass's keys of earlier steps before waiting for the kernel ahead
+// (qkv_norm_rope_write, which writes only this step's keys, staged after the wait). The fused RoPE
+// prologue runs on the register version only.
 //
-// Programmatic dependent launch: detail::pdl_begin() before any memory access.
+// Programmatic dependent launch: detail::pdl_begin() before any memory access that the kernel
+// ahead may write (ROPE and STAGED: the reads before it are argued at the kernel's top).
 #include <algorithm>
+#include <climits>
 #include <type_traits>
 #include <cfloat>
 #include <cmath>
@@ -238,13 +242,16 @@ struct StagedLayout {
 static_assert(kThreads == 2 * kPassKeys, "two copying threads per key of a pass");
 
 // The keys [pass0, c1) of the pass starting at pass0 into k_dst / v_dst (StagedLayout rows), by
-// cp.async; keys past c1 are zero-filled. Thread t copies key t / 2, half t % 2 of hd: the K piece
-// load_pass would have given that thread for QK.
+// cp.async; keys past c1 are zero-filled. Only the pass's keys j in [from, to) are touched (the
+// first pass is staged in two calls, either side of the wait for the kernel ahead). Thread t
+// copies key t / 2, half t % 2 of hd: the K piece load_pass would have given that thread for QK.
 template <int HD>
 __device__ __forceinline__ void stage_pass(const Params& p, const int32_t* table, int kv_head, int pass0, int c1,
-                                           __nv_bfloat16* k_dst, __nv_bfloat16* v_dst) {
+                                           __nv_bfloat16* k_dst, __nv_bfloat16* v_dst, int from = 0,
+                                           int to = INT_MAX) {
   using L = StagedLayout<HD>;
   const int key = threadIdx.x >> 1, half = threadIdx.x & 1, j = pass0 + key;
+  if (j < from || j >= to) return;
   const bool ok = j < c1;
   int64_t row = 0;
   if (ok) {
@@ -290,7 +297,10 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   // run before that GEMM, which waits for them before it lets this kernel launch. So no kernel
   // that triggers its dependents before waiting (l2_prefetch) may sit alone between such a writer
   // and this kernel.
-  if constexpr (!ROPE) detail::pdl_begin();
+  // STAGED waits further down too: before that it reads the same as ROPE does, and stages the
+  // first pass's keys of earlier steps (the kernel right before it, qkv_norm_rope_write, writes
+  // only this step's, the last num_q keys, which are staged after the wait).
+  if constexpr (!ROPE && !STAGED) detail::pdl_begin();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int seq = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
   const int q_begin = p.query_start[seq];
@@ -309,8 +319,14 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   const int32_t* table = p.block_table + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
   std::conditional_t<STAGED, NoLoads, PassLoads<HD>> cur, nxt;
   if constexpr (STAGED) {
-    if (c0 < c1) stage_pass<HD>(p, table, kv_head, c0, c1, kv_s, kv_s + SL::kTile);
+    const int first_new = kv_len - num_q;  // this step's keys: [first_new, kv_len)
+    if (c0 < c1) stage_pass<HD>(p, table, kv_head, c0, c1, kv_s, kv_s + SL::kTile, 0, first_new);
     cp_async_commit();
+    detail::pdl_begin();
+    if (c0 < c1 && first_new < c0 + kPassKeys) {
+      stage_pass<HD>(p, table, kv_head, c0, c1, kv_s, kv_s + SL::kTile, first_new, INT_MAX);
+    }
+    cp_async_commit();  // (the key loop's wait<1> leaves only the newest group in flight)
   } else {
     if (c0 < c1) load_pass<HD, false>(p, table, kv_head, c0, c1, cur);
   }
