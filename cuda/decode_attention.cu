@@ -41,7 +41,7 @@
 // Staged K/V (STAGED, PagedAttentionArgs::staged_kv; opt-in as kernels.attention = "staged"): the
 // same kernel with each pass's K and V copied global -> shared memory by cp.async (two passes in
 // flight, as the register version keeps two) instead of held in registers: the 2 x 64 registers a
-// thread spent on the current and the next pass's K/V are gone (HD 128 RB 4: 83 registers instead
+// thread spent on the current and the next pass's K/V are gone (HD 128 RB 4: 78 registers instead
 // of 244), so more of the next kernel's CTAs may fit beside it under programmatic launch (its 37 /
 // 72 KB of shared memory at HD 64 / 128 allow two CTAs per SM, as the register version's
 // registers do). Thread (w, l) copies exactly the K it reads in QK (key 16 w + l / 2, half l % 2
