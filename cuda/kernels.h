@@ -73,7 +73,7 @@ bool skinny_gemm_supports(const void* x, const void* w, int64_t m, int64_t k);
 // The kernel's shape, for benchmarks (0: the launcher's choice): warps per CTA (1..16, they
 // split K), row tiles of 16 w rows per warp (1 or 2), chunks of 32 k per warp per step (4, or 8
 // with M <= 16). Combinations that are not built return cudaErrorInvalidValue.
-// batch_invariant: one shape for every M (8 columns, 8 chunks per step, one row tile, row_tiles /
+// batch_invariant: one shape for every M (16 columns, 4 chunks per step, one row tile, row_tiles /
 // unroll ignored; any M, run in slices of kBatchInvariantRows rows inside one launch), so each
 // output's reduction order depends on K and N only: a row gets the same bits whatever the other
 // rows of the launch.
@@ -83,7 +83,7 @@ struct SkinnyGemmConfig {
   int unroll = 0;
   bool batch_invariant = false;
 };
-constexpr int64_t kBatchInvariantRows = 8;
+constexpr int64_t kBatchInvariantRows = 16;
 cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t m, int64_t n, int64_t k,
                         bool out_f32, void* out, cudaStream_t stream, const SkinnyGemmConfig* config = nullptr);
 
@@ -98,7 +98,7 @@ struct SkinnyFusion {
   const __nv_bfloat16* gamma = nullptr;  // [K], kRmsNorm
   float eps = 0.0f;                      // kRmsNorm
   bool add = false;
-  bool batch_invariant = false;  // the shape of SkinnyGemmConfig::batch_invariant, any M (slices of 8)
+  bool batch_invariant = false;  // the shape of SkinnyGemmConfig::batch_invariant, any M (slices of 16)
 };
 constexpr int64_t kSkinnyFusedMaxRows = 16;
 bool skinny_gemm_fused_supports(const void* in, const void* w, int64_t m, int64_t k, const SkinnyFusion& fusion);

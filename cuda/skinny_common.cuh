@@ -50,12 +50,10 @@ __host__ __device__ constexpr int staged_stride(int k) { return k + 8; }
 // the raw rows are copied first while each thread sums its squares per row; the row sums are
 // reduced over the lanes (butterfly) and then the warps in order (deterministic), and the
 // normalisation runs in place in shared memory.
-// ROWS: the most rows M can be (kSkinnyFusedMaxRows, kStreamGemmMaxRows; the batch-invariant
-// slices: kBatchInvariantRows); per-row state is sized by it.
-template <int IN, int ROWS = 16>
+template <int IN>
 __device__ void stage_input(const __nv_bfloat16* __restrict__ in, const __nv_bfloat16* __restrict__ gamma, float eps,
                             int M, int K, __nv_bfloat16* xs) {
-  constexpr int kRows = ROWS;
+  constexpr int kRows = 16;  // kSkinnyFusedMaxRows, kStreamGemmMaxRows
   const int tid = threadIdx.x, threads = blockDim.x, lane = tid & 31, warp = tid >> 5, num_warps = threads >> 5;
   const int vecs = K / 8, ks = staged_stride(K);
   if constexpr (IN == static_cast<int>(SkinnyInput::kRmsNorm)) {

@@ -23,11 +23,10 @@
 // read row N - 1 and are not written; x rows past M read row M - 1 (their columns are dropped);
 // the k tail (K % 32) is zero-filled by predicated loads in the last step only.
 //
-// Batch-invariant shape (SkinnyGemmConfig / SkinnyFusion batch_invariant): NT 1, R 1, U 8 (the
-// default shape of M <= 8, the fastest at one row) for every M, so the chunks of K a warp visits,
-// the accumulator sets and the warp sum are the same for every M: an output depends on its x row
-// and w row only, whatever the other rows.
-// Every M runs in one launch of the sliced instantiation, in slices of 8 rows: CTA b owns slice
+// Batch-invariant shape (SkinnyGemmConfig / SkinnyFusion batch_invariant): NT 2, R 1, U 4 for
+// every M <= 16, so the chunks of K a warp visits, the accumulator sets and the warp sum are the
+// same for every M: an output depends on its x row and w row only, whatever the other rows.
+// Every M runs in one launch of the sliced instantiation, in slices of 16 rows: CTA b owns slice
 // b % slices of w tile b / slices and computes exactly what a launch of that slice alone would
 // (same code, same warps: chosen by the number of w tiles), so a row's bits are those of its
 // slice whatever M. The slices of a w tile run side by side, so the tile comes from HBM once and
@@ -96,7 +95,7 @@ __global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* _
   constexpr bool kStaged = IN != 0;
   extern __shared__ float red[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(red + num_warps * (8 * NT) * red_stride(R));
-  if constexpr (kStaged) stage_input<IN, SLICED ? static_cast<int>(kBatchInvariantRows) : 16>(x, gamma, eps, M, K, xs);
+  if constexpr (kStaged) stage_input<IN>(x, gamma, eps, M, K, xs);
   const int x_stride = kStaged ? staged_stride(K) : K;
   auto load_in = [&](const __nv_bfloat16* p) -> uint4 {
     if constexpr (kStaged) {
@@ -224,9 +223,9 @@ KernelFn pick_out(bool out_f32) {
   return out_f32 ? skinny_gemm_kernel<NT, R, U, true> : skinny_gemm_kernel<NT, R, U, false>;
 }
 
-// The batch-invariant kernel (NT 1, R 1, U 8, sliced), for every M.
+// The batch-invariant kernel (NT 2, R 1, U 4, sliced), for every M.
 KernelFn invariant_kernel(bool out_f32) {
-  return out_f32 ? skinny_gemm_kernel<1, 1, 8, true, 0, false, true> : skinny_gemm_kernel<1, 1, 8, false, 0, false, true>;
+  return out_f32 ? skinny_gemm_kernel<2, 1, 4, true, 0, false, true> : skinny_gemm_kernel<2, 1, 4, false, 0, false, true>;
 }
 
 // The built (R, U) shapes per NT (each within 128 registers without spills, so that two CTAs of
@@ -248,7 +247,7 @@ KernelFn pick_shape(int row_tiles, int unroll, bool out_f32) {
 }
 
 // The fused kernels: the default shapes of M <= 8 (NT 1, R 1, U 8) and M <= 16 (NT 2, R 1, U 4),
-// and the batch-invariant one (NT 1, U 8, sliced).
+// and the batch-invariant one (NT 2, U 4, sliced).
 using FusedFn = KernelFn;
 
 template <int NT, int U, bool SLICED = false>
@@ -268,7 +267,7 @@ size_t fused_smem_bytes(int warps, int nt, int64_t m, int64_t k, SkinnyInput inp
 
 constexpr size_t kFusedMaxSmem = 112 * 1024;  // two CTAs per SM still fit (227 KB)
 
-// Rows of x per CTA: all of them, or a batch-invariant slice (any M, in slices of 8).
+// Rows of x per CTA: all of them, or a batch-invariant slice (any M, in slices of 16).
 int64_t rows_per_cta(int64_t m, bool batch_invariant) {
   return batch_invariant ? std::min(m, kBatchInvariantRows) : m;
 }
@@ -288,7 +287,7 @@ bool skinny_gemm_fused_supports(const void* in, const void* w, int64_t m, int64_
   }
   if (f.input == SkinnyInput::kRmsNorm && (f.gamma == nullptr || !detail::aligned16(f.gamma))) return false;
   if (f.input == SkinnyInput::kPlain && !f.add) return false;  // that is skinny_gemm
-  const int nt = (m <= 8 || f.batch_invariant) ? 1 : 2;
+  const int nt = (m <= 8 && !f.batch_invariant) ? 1 : 2;
   return fused_smem_bytes(16, nt, rows_per_cta(m, f.batch_invariant), k, f.input) <= kFusedMaxSmem;
 }
 
@@ -298,8 +297,8 @@ cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, i
   if (!skinny_gemm_fused_supports(in, w, m, k, f) || n < 0 || n > (int64_t{1} << 30) || out == nullptr) {
     return cudaErrorInvalidValue;
   }
-  const int nt = (m <= 8 || f.batch_invariant) ? 1 : 2;
-  FusedFn kernel = f.batch_invariant ? pick_fused<1, 8, true>(f.input, f.add)
+  const int nt = (m <= 8 && !f.batch_invariant) ? 1 : 2;
+  FusedFn kernel = f.batch_invariant ? pick_fused<2, 4, true>(f.input, f.add)
                    : nt == 1          ? pick_fused<1, 8>(f.input, f.add)
                                       : pick_fused<2, 4>(f.input, f.add);
   if (kernel == nullptr) return cudaErrorInvalidValue;
@@ -335,7 +334,7 @@ cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t 
       n < 0 || n > (int64_t{1} << 30) || out == nullptr) {
     return cudaErrorInvalidValue;
   }
-  const int nt = (invariant || m <= 8) ? 1 : m <= 16 ? 2 : 4;
+  const int nt = invariant ? 2 : m <= 8 ? 1 : m <= 16 ? 2 : 4;
   int row_tiles = 1, unroll = nt == 1 ? 8 : nt == 2 ? 4 : 2, warps = 0;
   if (config != nullptr) {
     if (config->row_tiles && !invariant) row_tiles = config->row_tiles;

@@ -51,8 +51,8 @@ struct KernelOptions {
   // only, never on the number of rows, the batch or the kind of step, so a position's logits
   // have the same bits decoded alone, in a batch, in a speculative verify step or in a prefill:
   // speculative greedy output equals target-only greedy output token for token. Slower (linear
-  // layers on the skinny kernel's one-row shape in slices of 8 rows, no cuBLASLt; attention on one
-  // Triton kernel without split-KV). The CPU backend does not implement it (an error).
+  // layers in launches of 16 rows on the skinny kernel, no cuBLASLt; attention on one Triton
+  // kernel without split-KV). The CPU backend does not implement it (an error).
   bool batch_invariant = false;
 };
 

@@ -3,7 +3,7 @@
 # Batch-invariant kernels (Session(deterministic=True), KernelOptions::batch_invariant): a row's
 # bits must not depend on the other rows. Kernel level: the skinny GEMM and its fused forms on the
 # batch-invariant shape give row i the same bits for every M (and stay within bf16 rounding of
-# torch); any M runs as 8-row slices of one launch, each row equal to its row in other launches. Session level, on a random Qwen3 model with a real K split (hidden 1024,
+# torch); more than 16 rows run as 16-row slices of one launch, each equal to its slice alone. Session level, on a random Qwen3 model with a real K split (hidden 1024,
 # an intermediate size with a K tail, 8 and 16 warp launches): the logits of a position recorded
 # by teacher forcing are bit-identical whether the position is a decode step alone, a decode row
 # in a batch with other requests, a row of a prefill, or a row of a chunked prefill; and greedy
@@ -76,9 +76,9 @@ def test_fused_skinny_gemm_rows_do_not_depend_on_m(mode):
 @pytest.mark.parametrize("m", [17, 40, 256])
 @pytest.mark.parametrize("n,k", [(1024, 1024), (5000, 1024), (24, 64)])
 @pytest.mark.parametrize("out_f32", [False, True])
-def test_one_launch_of_many_rows_equals_launches_of_16_rows(m, n, k, out_f32):
-    """Many rows run in one launch (slices of 8 inside it): every row has the bits of a launch of its
-    16-row chunk, and of a launch of that row alone."""
+def test_one_launch_of_many_rows_equals_its_16_row_slices(m, n, k, out_f32):
+    """More than 16 rows run in one launch (slices of 16 inside it): every row has the bits of the
+    launch of its slice alone, and of a launch of that row alone."""
     K = kernel_ops()
     x = bf16_randn(m, k, seed=7)
     w = bf16_randn(n, k, seed=8, scale=0.05)
@@ -90,7 +90,7 @@ def test_one_launch_of_many_rows_equals_launches_of_16_rows(m, n, k, out_f32):
         rows = min(16, m - r0)
         part = torch.empty(rows, n, device=DEV, dtype=dtype)
         K.cuda_skinny_gemm(x[r0:r0 + rows].contiguous(), w, part, batch_invariant=True)
-        assert torch.equal(part, full[r0:r0 + rows]), f"m={m}: the 16 rows at {r0} differ"
+        assert torch.equal(part, full[r0:r0 + rows]), f"m={m}: slice at row {r0} differs"
     for r in (0, m // 2, m - 1):
         one = torch.empty(1, n, device=DEV, dtype=dtype)
         K.cuda_skinny_gemm(x[r:r + 1].contiguous(), w, one, batch_invariant=True)
@@ -102,7 +102,7 @@ def test_one_launch_of_many_rows_equals_launches_of_16_rows(m, n, k, out_f32):
 
 @pytest.mark.parametrize("m", [20, 256])
 @pytest.mark.parametrize("mode", ["rms_norm", "silu_mul", "plain"])
-def test_one_fused_launch_of_many_rows_equals_launches_of_16_rows(mode, m):
+def test_one_fused_launch_of_many_rows_equals_its_16_row_slices(mode, m):
     K = kernel_ops()
     n, k = 1024, 1024
     inp = bf16_randn(m, 2 * k if mode == "silu_mul" else k, seed=9)
@@ -117,7 +117,7 @@ def test_one_fused_launch_of_many_rows_equals_launches_of_16_rows(mode, m):
         part = base[r0:r0 + rows].clone()
         K.cuda_skinny_gemm_fused(inp[r0:r0 + rows].contiguous(), w, part, mode, gamma=gamma, add=add,
                                  batch_invariant=True)
-        assert torch.equal(part, full[r0:r0 + rows]), f"{mode} m={m}: the 16 rows at {r0} differ"
+        assert torch.equal(part, full[r0:r0 + rows]), f"{mode} m={m}: slice at row {r0} differs"
 
 
 # ------------------------------------------------------------------------------- sessions
