@@ -203,7 +203,8 @@ def test_refusals():
 
 
 # (arch, heads, KV heads, head_dim): Qwen3 with q/k norms at head_dim 128 and a GQA group of 4 (the
-# drafter's block and the verify rows exceed 16 per KV head: unfused there); Llama without norms
+# drafter's block and the verify rows exceed 16 per KV head: unfused there, and a speculative
+# session's decode steps are all speculative, so the fused kernel never runs in it); Llama without norms
 # at head_dim 64 and group 1 (the drafters' 8-token blocks and the 9-row verify run fused too).
 # Target-only, with a DFlash drafter and with a DFlash2 drafter.
 SESSION_MODELS = [("qwen3", 8, 2, 128), ("llama", 4, 4, 64)]
@@ -224,4 +225,4 @@ def test_session_is_bit_identical(arch, nh, nkv, hd, spec, tmp_path):
         draft = gpu_dflash2(tmp_path, target, block_size=8)
     # decode_attention_kernel<head_dim, rows, ROPE, STAGED>
     assert_switch_keeps_bits(target, draft, {"DFLASH_ROPE_ATTENTION": "0"}, {"DFLASH_ROPE_ATTENTION": "1"},
-                             "true, false>")
+                             "true, false>", runs=spec is None or nkv == nh)
