@@ -34,7 +34,8 @@ struct KernelOptions {
   // CUDA: the QKV split, per-head norm, RoPE and K/V write folded into the decode attention
   // kernel's prologue (one launch fewer per layer) where the CUDA-core decode kernel runs (the AR
   // step at batch <= 2 under attention "auto"); elsewhere, and with false, the separate RoPE kernel.
-  // Results do not change (same bits). Off by default until measured in the step on the H200.
+  // Results do not change (same bits). Off by default: one A/B job on the H200 (2026-12-05, one
+  // repeat) gave the batch-1 AR step 2 % faster; to be confirmed with repeats before it ships.
   bool rope_attention = false;
   // CUDA: programmatic dependent launch. Process-wide: the last CUDA session opened sets it.
   bool programmatic_launch = true;
