@@ -14,7 +14,8 @@ length 1 (AR) and 16 (verify), context 512/4096, side by side in one run:
   rope_pair  what the AR step runs before and in attention with DFLASH_ROPE_ATTENTION off: the
           QKV norm / RoPE / K/V write kernel, then the CUDA decode attention (two launches);
   cuda_rope  the same work fused into the decode kernel (cuda::decode_attention_rope, one launch;
-          what DFLASH_ROPE_ATTENTION=1 runs). Query length 1, Qwen3 q/k norms on.
+          what DFLASH_ROPE_ATTENTION=1 runs). Query length 1, Qwen3 q/k norms on;
+  cuda_staged_rope  the fused kernel with K/V staged (both switches). Query length 1.
 --geometry smollm2 times SmolLM2-135M's heads (9 query / 3 KV, head_dim 64) instead; --impls,
 --batches, --qlens and --contexts narrow the run; --splits adds forced split counts for the CUDA
 kernels (default 1), --triton-splits for the Triton ones (default 1,8): e.g. the verify rows'
@@ -43,8 +44,8 @@ from gpu_common import cuda_kernel_totals, graph_time, run_record, write_json  #
 
 GEOMETRIES = {"qwen3_8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # query heads, KV heads, head_dim
 BS = 16
-IMPLS = ("triton", "cuda", "cuda_tc", "cuda_staged", "rope_pair", "cuda_rope")
-ROPE_IMPLS = ("rope_pair", "cuda_rope")
+IMPLS = ("triton", "cuda", "cuda_tc", "cuda_staged", "rope_pair", "cuda_rope", "cuda_staged_rope")
+ROPE_IMPLS = ("rope_pair", "cuda_rope", "cuda_staged_rope")
 
 
 def rope_inputs(torch, batch, qlen, ctx, bt, nh, nkv, hd):
@@ -84,10 +85,11 @@ def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps, geome
         qkv, pos, slots, inv_freq, norm = rope_inputs(torch, batch, qlen, ctx, bt, NH, NKV, HD)
 
         def call_on(stream):
-            if impl == "cuda_rope":
+            if impl != "rope_pair":
                 return testing.cuda_decode_attention_rope(qkv, norm, norm, 1e-6, pos, inv_freq, slots, kp, vp, o, qs,
                                                           kl, bt, True, 0, qlen, max_kv_len, workspace=ws,
-                                                          counters=counters, force_splits=splits, stream=stream)
+                                                          counters=counters, force_splits=splits, stream=stream,
+                                                          staged=impl == "cuda_staged_rope")
             testing.cuda_qkv_norm_rope_write(qkv, norm, norm, 1e-6, pos, inv_freq, slots, NH, NKV, HD, q, kp, vp,
                                              stream=stream)
             return testing.cuda_decode_attention(q, kp, vp, o, qs, kl, bt, True, 0, qlen, max_kv_len, workspace=ws,

@@ -49,8 +49,10 @@
 // reads of a warp are free of bank conflicts. Every product, sum and rounding is the register
 // version's, in the same order: the outputs have its bits. Like ROPE, it reads the metadata and
 // stages its first pass's keys of earlier steps before waiting for the kernel ahead
-// (qkv_norm_rope_write, which writes only this step's keys, staged after the wait). The fused RoPE
-// prologue runs on the register version only.
+// (qkv_norm_rope_write, which writes only this step's keys, staged after the wait). With ROPE too
+// (staged and fused), the prologue's scratch sits after the stages, and this step's keys of the
+// first pass are staged after the prologue has written them and a barrier, from the pools through
+// L2 (cp.async.cg), as every later pass is: no patching, the same bits.
 //
 // Programmatic dependent launch: detail::pdl_begin() before any memory access that the kernel
 // ahead may write (ROPE and STAGED: the reads before it are argued at the kernel's top).
@@ -274,7 +276,6 @@ struct NoLoads {};
 // STAGED: K/V staged in shared memory by cp.async (dynamic shared memory StagedLayout<HD>::kBytes).
 template <int HD, int RB, bool ROPE, bool STAGED>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
-  static_assert(!(ROPE && STAGED), "the fused RoPE prologue runs on the register version");
   using SL = StagedLayout<HD>;
   constexpr int DL = HD / 32;           // head dims per lane in PV
   constexpr int QS = HD / 2 + 4;        // q_s half-row stride (the halves on different banks)
@@ -318,36 +319,43 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   // with ROPE, before the wait for the kernel ahead (only the new tokens' keys come after).
   const int32_t* table = p.block_table + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
   std::conditional_t<STAGED, NoLoads, PassLoads<HD>> cur, nxt;
+  // ROPE: the prologue's queries and new keys in red (not used before the end of the key loop), or
+  // with STAGED (where red is the stages) in the dynamic shared memory after the stages.
+  __shared__ int written_s[RB];
+  [[maybe_unused]] __nv_bfloat16* rope_s =
+      STAGED ? reinterpret_cast<__nv_bfloat16*>(dyn_smem + SL::kBytes) : reinterpret_cast<__nv_bfloat16*>(red);
+  [[maybe_unused]] const RopeScratch<HD> sm{rope_s, rope_s + RB * HD, rope_s + 2 * RB * HD, written_s};
+  static_assert(3 * RB * HD * sizeof(__nv_bfloat16) <= 4 * RB * HD * sizeof(float), "the prologue's rows fit in red");
+  const int first_new = kv_len - num_q;  // this step's keys: [first_new, kv_len)
+  // ROPE: this CTA's new tokens, queries [new0, new1), keys first_new + i in [c0, c1); their keys
+  // and values go to the pools (and kn / vn), the queries to qb. new1 is clamped to new0: a split
+  // whose keys all precede the new tokens (c1 <= first_new, every split but the last ones at long
+  // contexts) has none, and a negative count would make rope_prologue's units = rows + 2 (new1 -
+  // new0) smaller than rows, leaving queries unbuilt.
+  [[maybe_unused]] const int new0 = max(c0 - first_new, 0), new1 = max(min(c1 - first_new, num_q), new0);
   if constexpr (STAGED) {
-    const int first_new = kv_len - num_q;  // this step's keys: [first_new, kv_len)
     if (c0 < c1) stage_pass<HD>(p, table, kv_head, c0, c1, kv_s, kv_s + SL::kTile, 0, first_new);
     cp_async_commit();
     detail::pdl_begin();
+    if constexpr (ROPE) {
+      rope_prologue<HD>(p, q_begin, group, rows, kv_head, new0, new1, sm);
+      // The new keys are in the pools (and qb is complete): the first pass's copies of them below,
+      // and the later passes', read them through L2 (cp.async.cg) after this barrier.
+      __syncthreads();
+    }
     if (c0 < c1 && first_new < c0 + kPassKeys) {
       stage_pass<HD>(p, table, kv_head, c0, c1, kv_s, kv_s + SL::kTile, first_new, INT_MAX);
     }
     cp_async_commit();  // (the key loop's wait<1> leaves only the newest group in flight)
   } else {
     if (c0 < c1) load_pass<HD, false>(p, table, kv_head, c0, c1, cur);
-  }
-  // ROPE: the prologue's queries and new keys in red (not used before the end of the key loop).
-  __shared__ int written_s[RB];
-  [[maybe_unused]] const RopeScratch<HD> sm{reinterpret_cast<__nv_bfloat16*>(red),
-                                            reinterpret_cast<__nv_bfloat16*>(red) + RB * HD,
-                                            reinterpret_cast<__nv_bfloat16*>(red) + 2 * RB * HD, written_s};
-  static_assert(3 * RB * HD * sizeof(__nv_bfloat16) <= 4 * RB * HD * sizeof(float), "the prologue's rows fit in red");
-  if constexpr (ROPE) {
-    detail::pdl_begin();
-    // This CTA's new tokens: queries [new0, new1), keys first_new + i in [c0, c1).
-    const int first_new = kv_len - num_q;
-    // new1 is clamped to new0: a split whose keys all precede the new tokens (c1 <= first_new,
-    // every split but the last ones at long contexts) has none, and a negative count would make
-    // rope_prologue's units = rows + 2 (new1 - new0) smaller than rows, leaving queries unbuilt.
-    const int new0 = max(c0 - first_new, 0), new1 = max(min(c1 - first_new, num_q), new0);
-    rope_prologue<HD>(p, q_begin, group, rows, kv_head, new0, new1, sm);
-    __syncthreads();  // the new keys are in the pools and in kn / vn, qb is complete
-    // The first pass read the new keys before they were written: their shared copies replace them.
-    if (new0 < new1 && first_new + new0 < c0 + kPassKeys) patch_new_keys<HD>(sm, c0, first_new + new0, c1, cur);
+    if constexpr (ROPE) {
+      detail::pdl_begin();
+      rope_prologue<HD>(p, q_begin, group, rows, kv_head, new0, new1, sm);
+      __syncthreads();  // the new keys are in the pools and in kn / vn, qb is complete
+      // The first pass read the new keys before they were written: their shared copies replace them.
+      if (new0 < new1 && first_new + new0 < c0 + kPassKeys) patch_new_keys<HD>(sm, c0, first_new + new0, c1, cur);
+    }
   }
 
   for (int i = tid; i < RB * HD; i += kThreads) {
@@ -515,11 +523,16 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
 
 using KernelFn = void (*)(Params);
 
+// The kernel's row capacity RB for a launch of `rows` rows per (sequence, KV head).
+constexpr int row_block(int rows) { return rows <= 4 ? 4 : rows <= 8 ? 8 : 16; }
+
 template <int HD, bool ROPE, bool STAGED>
 KernelFn pick_rows(int rows) {
-  if (rows <= 4) return decode_attention_kernel<HD, 4, ROPE, STAGED>;
-  if (rows <= 8) return decode_attention_kernel<HD, 8, ROPE, STAGED>;
-  return decode_attention_kernel<HD, 16, ROPE, STAGED>;
+  switch (row_block(rows)) {
+    case 4: return decode_attention_kernel<HD, 4, ROPE, STAGED>;
+    case 8: return decode_attention_kernel<HD, 8, ROPE, STAGED>;
+    default: return decode_attention_kernel<HD, 16, ROPE, STAGED>;
+  }
 }
 
 int num_sms() {
@@ -597,16 +610,18 @@ cudaError_t launch_cuda_cores(const Params& p, int head_dim, int rows, dim3 grid
                               cudaStream_t stream) {
   KernelFn kernel = nullptr;
   size_t smem = 0;
-  if (rope) {
-    kernel = head_dim == 128 ? pick_rows<128, true, false>(rows) : pick_rows<64, true, false>(rows);
-  } else if (staged) {
-    kernel = head_dim == 128 ? pick_rows<128, false, true>(rows) : pick_rows<64, false, true>(rows);
+  if (staged) {
+    kernel = head_dim == 128 ? (rope ? pick_rows<128, true, true>(rows) : pick_rows<128, false, true>(rows))
+                             : (rope ? pick_rows<64, true, true>(rows) : pick_rows<64, false, true>(rows));
     smem = head_dim == 128 ? StagedLayout<128>::kBytes : StagedLayout<64>::kBytes;
+    // With ROPE: the prologue's qb, kn, vn [RB][HD] bf16 after the stages (RB as pick_rows picks).
+    if (rope) smem += size_t{3} * row_block(rows) * head_dim * sizeof(__nv_bfloat16);
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   } else {
-    kernel = head_dim == 128 ? pick_rows<128, false, false>(rows) : pick_rows<64, false, false>(rows);
+    kernel = head_dim == 128 ? (rope ? pick_rows<128, true, false>(rows) : pick_rows<128, false, false>(rows))
+                             : (rope ? pick_rows<64, true, false>(rows) : pick_rows<64, false, false>(rows));
   }
   const cudaError_t e = detail::launch(kernel, grid, dim3(kThreads), smem, stream, p);
   return e != cudaSuccess ? e : cudaGetLastError();
@@ -663,7 +678,7 @@ cudaError_t decode_attention_rope(const PagedAttentionArgs& a, const DecodeRopeA
   p.k_write = const_cast<__nv_bfloat16*>(p.k_pool);
   p.v_write = const_cast<__nv_bfloat16*>(p.v_pool);
   const int rows = a.max_query_len * (a.num_heads / a.num_kv_heads);
-  return launch_cuda_cores(p, a.head_dim, rows, grid_of(a, splits), true, false, stream);
+  return launch_cuda_cores(p, a.head_dim, rows, grid_of(a, splits), true, a.staged_kv, stream);
 }
 
 }  // namespace cuda

@@ -150,7 +150,8 @@ def test_attention_bench_plan():
     cases = b.plan(b.parse_args([]))
     impls = {c[0] for c in cases}
     assert impls == set(b.IMPLS)
-    assert all(c[2] == 1 for c in cases if c[0] in ("cuda_tc", "cuda_staged", "cuda_rope", "rope_pair"))
+    assert all(c[2] == 1 for c in cases if c[0] in ("cuda_tc", "cuda_staged", "cuda_rope", "rope_pair",
+                                                    "cuda_staged_rope"))
     # every implementation's own split count twice (exact max_kv_len, a graph's 4096 + 16), then the forced ones
     point = [c for c in cases if c[1:4] == (1, 1, 512)]
     assert [(c[0], c[4], c[5]) for c in point if c[0] == "cuda_rope"] == [

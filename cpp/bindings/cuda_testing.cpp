@@ -517,14 +517,15 @@ int cuda_decode_attention(const Any& q, const Any& k_pool, const Any& v_pool, co
 // The CUDA decode attention with the QKV norm / RoPE / K/V write fused in (cuda::decode_attention_rope):
 // qkv [T, (nh + 2 nkv) hd], q_norm / k_norm [hd] or None, positions and slots [T] int32,
 // inv_freq [hd/2] fp32; the pools get the new K/V, out [T, nh, hd] the attention (out also gives
-// nh). The other arguments, stream included, as cuda_decode_attention. Returns the split count launched.
+// nh). The other arguments, stream and staged included, as cuda_decode_attention. Returns the split
+// count launched.
 int cuda_decode_attention_rope(const Any& qkv, const std::optional<Any>& q_norm, const std::optional<Any>& k_norm,
                                float eps, const I32& positions, const F32& inv_freq, const I32& slots,
                                const Any& k_pool, const Any& v_pool, const Any& out, const I32& query_start,
                                const I32& kv_len, const I32& block_table, bool causal, int32_t window,
                                int32_t max_query_len, int32_t max_kv_len, std::optional<Any> workspace,
                                std::optional<I32> counters, int32_t force_splits, bool symmetric_window,
-                               std::optional<uintptr_t> stream) {
+                               std::optional<uintptr_t> stream, bool staged) {
   PagedAttentionArgs a = paged_attention_args(out, k_pool, v_pool, out, query_start, kv_len, block_table, causal,
                                               window, symmetric_window, max_query_len, max_kv_len, workspace,
                                               force_splits);
@@ -533,6 +534,7 @@ int cuda_decode_attention_rope(const Any& qkv, const std::optional<Any>& q_norm,
     a.counters = counters->data();
     a.counter_slots = static_cast<int64_t>(counters->size());
   }
+  a.staged_kv = staged;
   const int64_t t = a.num_tokens, hd = a.head_dim;
   DFLASH_ARG_CHECK(numel(qkv) == t * (a.num_heads + 2 * a.num_kv_heads) * hd &&
                        static_cast<int64_t>(positions.size()) == t && static_cast<int64_t>(slots.size()) == t &&
@@ -601,7 +603,8 @@ void bind_cuda_testing(nb::module_& m) {
   m.def("cuda_decode_attention_rope", &cuda_decode_attention_rope, "qkv"_a, "q_norm"_a.none(), "k_norm"_a.none(),
         "eps"_a, "positions"_a, "inv_freq"_a, "slots"_a, "k_pool"_a, "v_pool"_a, "out"_a, "query_start"_a, "kv_len"_a,
         "block_table"_a, "causal"_a, "window"_a, "max_query_len"_a, "max_kv_len"_a, "workspace"_a = nb::none(),
-        "counters"_a = nb::none(), "force_splits"_a = 0, "symmetric_window"_a = false, "stream"_a = nb::none());
+        "counters"_a = nb::none(), "force_splits"_a = 0, "symmetric_window"_a = false, "stream"_a = nb::none(),
+        "staged"_a = false);
   m.def("cuda_decode_attention_workspace_bytes",
         [](int64_t num_tokens, int64_t num_heads, int64_t head_dim, int splits) {
           return cuda::decode_attention_workspace_bytes(num_tokens, num_heads, head_dim, splits);

@@ -11,9 +11,11 @@
 # symmetric windows; one split, the automatic count and forced ones, including new keys that
 # straddle two splits (each is written by the CTA that reads it); a token whose slot is negative
 # (not written, as in the unfused kernel); and the launches it refuses (more than 16 rows per KV
-# head, pointers that the RoPE lane layout cannot read). Then whole sessions: with
-# DFLASH_ROPE_ATTENTION=1 the AR and DFlash decodes are token- and logit-identical to the default,
-# and the profiler shows the fused kernel ran (and the unfused one without the switch).
+# head, pointers that the RoPE lane layout cannot read). Every kernel case runs on the register
+# version and on the staged-K/V version (the same bits). Then whole sessions: with
+# DFLASH_ROPE_ATTENTION=1 (and with DFLASH_ATTENTION=staged beside it) the AR and DFlash decodes are
+# token- and logit-identical to the default, and the profiler shows the fused kernel ran (and the
+# unfused one without the switch).
 from __future__ import annotations
 
 import pytest
@@ -76,9 +78,11 @@ def _workspace(b, splits):
     return ws, torch.zeros(len(b.kv_lens) * b.nkv, dtype=torch.int32, device="cuda")
 
 
-def attend(b: Batch, r: RopeInputs, fused: bool, causal, window, *, splits="none", force_splits=0, symmetric=False):
-    """On copies of the pools: decode_attention_rope (fused), or qkv_norm_rope_write then
-    decode_attention. Returns (out, k_pool, v_pool, splits launched)."""
+def attend(b: Batch, r: RopeInputs, fused: bool, causal, window, *, splits="none", force_splits=0, symmetric=False,
+           staged=False):
+    """On copies of the pools: decode_attention_rope (fused; staged: its staged-K/V version), or
+    qkv_norm_rope_write then decode_attention (the register version). Returns (out, k_pool, v_pool,
+    splits launched)."""
     import torch
 
     t = _testing()
@@ -89,7 +93,7 @@ def attend(b: Batch, r: RopeInputs, fused: bool, causal, window, *, splits="none
     options = {"workspace": ws, "counters": counters, "force_splits": force_splits, "symmetric_window": symmetric}
     if fused:
         launched = t.cuda_decode_attention_rope(r.qkv, r.q_norm, r.k_norm, 1e-6, r.positions, r.inv_freq, r.slots,
-                                                k_pool, v_pool, out, *batch, **options)
+                                                k_pool, v_pool, out, *batch, **options, staged=staged)
     else:
         q = torch.empty_like(out)
         t.cuda_qkv_norm_rope_write(r.qkv, r.q_norm, r.k_norm, 1e-6, r.positions, r.inv_freq, r.slots, b.nh, b.nkv,
@@ -100,12 +104,14 @@ def attend(b: Batch, r: RopeInputs, fused: bool, causal, window, *, splits="none
     return out, k_pool, v_pool, launched
 
 
-def check(b: Batch, r: RopeInputs, causal, window, what, **kw):
-    """The fused launch has the bits of the two unfused ones (output and pools); returns its result."""
+def check(b: Batch, r: RopeInputs, causal, window, what, staged=False, **kw):
+    """The fused launch (staged: with K/V staged in shared memory) has the bits of the two unfused
+    ones on the register kernel (output and pools); returns its result."""
     import torch
 
+    what = f"{what}{', staged' if staged else ''}"
     out_w, k_w, v_w, splits_w = attend(b, r, False, causal, window, **kw)
-    got = attend(b, r, True, causal, window, **kw)
+    got = attend(b, r, True, causal, window, staged=staged, **kw)
     out_g, k_g, v_g, splits_g = got
     assert splits_g == splits_w, what
     assert torch.isfinite(out_g.float()).all(), f"{what}: non-finite output"
@@ -127,49 +133,53 @@ def batch_of(kind, kv_lens, nh, nkv, hd, seed):
     return Batch(kv_lens, [queries(kind, nh, nkv, n) for n in kv_lens], nh, nkv, hd, seed=seed)
 
 
+@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("kind", ["decode", "multi"])
 @pytest.mark.parametrize("batch", list(BATCH_KV))
 @pytest.mark.parametrize("nh,nkv,hd", HEADS)
-def test_matches_unfused(nh, nkv, hd, batch, kind, mode, qk_norm):
+def test_matches_unfused(nh, nkv, hd, batch, kind, mode, qk_norm, staged):
     causal, window = MODES[mode]
     b = batch_of(kind, BATCH_KV[batch], nh, nkv, hd, seed=batch * 100 + nh + hd)
     r = RopeInputs(b, qk_norm, seed=batch + hd)
-    check(b, r, causal, window, "one split")
-    check(b, r, causal, window, "auto splits", splits="auto")
+    check(b, r, causal, window, "one split", staged=staged)
+    check(b, r, causal, window, "auto splits", splits="auto", staged=staged)
     for forced in (3, 32):
-        check(b, r, causal, window, f"{forced} splits", splits="forced", force_splits=forced)
+        check(b, r, causal, window, f"{forced} splits", splits="forced", force_splits=forced, staged=staged)
 
 
+@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (4, 4, 64), (9, 3, 64)])
-def test_new_keys_straddle_splits(nh, nkv, hd):
+def test_new_keys_straddle_splits(nh, nkv, hd, staged):
     """kv_len 66 in two splits of 64 keys: the new keys 62.. (or 50.. at group 1) lie in both."""
     b = batch_of("multi", [66, 66, 130], nh, nkv, hd, seed=5)
     assert max(b.q_lens) > 2
     r = RopeInputs(b, True, seed=6)
     for forced in (2, 3):
-        check(b, r, True, 0, f"{forced} splits", splits="forced", force_splits=forced)
+        check(b, r, True, 0, f"{forced} splits", splits="forced", force_splits=forced, staged=staged)
 
 
+@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("window", [1, 16, 2048])
 @pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (9, 3, 64)])
-def test_symmetric_window(nh, nkv, hd, window):
+def test_symmetric_window(nh, nkv, hd, window, staged):
     b = batch_of("multi", [1, 5, 17, 65, 129, 1000], nh, nkv, hd, seed=window)
     r = RopeInputs(b, hd == 128, seed=window + 1)
     for splits, forced in (("none", 0), ("auto", 0), ("forced", 3)):
         check(b, r, False, window, f"symmetric w{window}, {splits}", splits=splits, force_splits=forced,
-              symmetric=True)
+              symmetric=True, staged=staged)
 
 
-def test_negative_slot_is_not_written():
+@pytest.mark.parametrize("staged", [False, True])
+def test_negative_slot_is_not_written(staged):
     """A token with slot -1 writes nothing (its key keeps the pool's old value, in both forms)."""
     import torch
 
     b = Batch([300, 40], [1, 1], 32, 8, 128, seed=9)
     r = RopeInputs(b, True, seed=10)
     r.slots[0] = -1
-    _, k_pool, _, _ = check(b, r, True, 0, "slot -1", splits="auto")
+    _, k_pool, _, _ = check(b, r, True, 0, "slot -1", splits="auto", staged=staged)
     old = int(b.table[0, 299 // 16]) * 16 + 299 % 16
     assert torch.equal(_bits(k_pool.view(-1, 8, 128)[old]), _bits(b.k_pool.view(-1, 8, 128)[old]))
 
@@ -226,3 +236,17 @@ def test_session_is_bit_identical(arch, nh, nkv, hd, spec, tmp_path):
     # decode_attention_kernel<head_dim, rows, ROPE, STAGED>
     assert_switch_keeps_bits(target, draft, {"DFLASH_ROPE_ATTENTION": "0"}, {"DFLASH_ROPE_ATTENTION": "1"},
                              "true, false>", runs=spec is None or nkv == nh)
+
+
+@pytest.mark.parametrize("spec", [None, "dflash"])
+@pytest.mark.parametrize("arch,nh,nkv,hd", SESSION_MODELS)
+def test_staged_fused_session_is_bit_identical(arch, nh, nkv, hd, spec, tmp_path):
+    """Both switches (DFLASH_ATTENTION=staged and DFLASH_ROPE_ATTENTION=1): the staged kernel with
+    the fused prologue runs, with the default session's tokens and logits."""
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    target = write_tiny_model(tmp_path / "m", arch=arch, hidden_size=nh * hd, num_layers=2, num_heads=nh,
+                              num_kv_heads=nkv, head_dim=hd, intermediate_size=512, dtype="bfloat16", seed=17)
+    draft = tiny_drafter(tmp_path / "d", target) if spec else None
+    assert_switch_keeps_bits(target, draft, {}, {"DFLASH_ROPE_ATTENTION": "1", "DFLASH_ATTENTION": "staged"},
+                             "true, true>", runs=spec is None or nkv == nh)

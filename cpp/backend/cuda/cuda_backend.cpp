@@ -459,7 +459,8 @@ void CudaBackend::rope_write_attention(const Tensor& qkv, const Tensor& q_norm, 
                  "rope_write_attention: qkv ", shape_str(qkv.shape), " for q ", shape_str(q.shape), ", positions ",
                  shape_str(positions.shape), ", slots ", shape_str(slots.shape));
     check_bf16(qkv, "rope_write_attention qkv");
-    const PagedAttentionArgs a = attention_args(q, pool, layer, meta, out);
+    PagedAttentionArgs a = attention_args(q, pool, layer, meta, out);
+    a.staged_kv = attention_staged_;  // both switches: the staged kernel with the fused prologue
     cuda::DecodeRopeArgs r;
     r.qkv = bf(qkv);
     r.q_norm = q_norm.empty() ? nullptr : bf(q_norm);
