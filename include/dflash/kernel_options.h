@@ -22,8 +22,8 @@ struct KernelOptions {
   // "tensor_cores" (the tensor-core split-KV kernel for every launch of up to 64 rows per KV head:
   // AR, verify and drafter blocks; opt-in, for A/B timing) or "staged" (as "auto", with the
   // CUDA-core kernel's K/V staged in shared memory by cp.async instead of held in registers: fewer
-  // registers, the same bits; opt-in until measured in the step; the fused RoPE prologue keeps the
-  // register version).
+  // registers, the same bits; opt-in until measured in the step; with rope_attention too, the
+  // staged kernel runs the fused prologue).
   std::string attention = "auto";
   // CUDA: the weights of a decoder layer's linear layers loaded into L2 ahead of their GEMM, in
   // the time that the latency-bound kernels before it (norms, RoPE, decode attention) leave HBM
