@@ -26,7 +26,9 @@ Two timings per case: CUPTI kernel durations (torch.profiler; launch latency exc
 programmatic dependent launch a kernel's duration includes its wait for the one before):
 microseconds per call summed over the call's kernels, launches per call and K/V bytes read / time;
 and `graph_us_per_call`, the wall time of one call in a CUDA graph of 20 back-to-back calls
-(device events, median of 5 replays): what a step pays.
+(device events, median of 5 replays), where the K/V stay in L2 from call to call; and
+`cold_graph_us_per_call` (unless --no-cold), the same with the L2 flushed before each call (a graph
+of 10 flush + call pairs minus one of 10 flushes): what a step pays, whose K/V come from HBM.
 
 Usage (GPU machine, dflash installed): python bench/bench_gpu_attention_small.py --out DIR
 Writes DIR/gpu_h200_attention_small.json (DIR/gpu_h200_attention_small_smollm2.json with
@@ -61,7 +63,8 @@ def rope_inputs(torch, batch, qlen, ctx, bt, nh, nkv, hd):
     return qkv, pos, slots, inv_freq, norm
 
 
-def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps, geometry=GEOMETRIES["qwen3_8b"]):
+def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps, geometry=GEOMETRIES["qwen3_8b"],
+         cold=True):
     NH, NKV, HD = geometry
     blocks_per_seq = (ctx + BS - 1) // BS
     nblocks = batch * blocks_per_seq
@@ -123,7 +126,27 @@ def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps, geome
             "launches_per_call": sum(n for _, n in totals.values()) / reps,
             "kernels_us": {k[:60]: round(v, 2) for k, v in per.items()},
             "kv_gbs": round(kv_bytes / (total * 1e-6) / 1e9, 1) if total else None,
-            "graph_us_per_call": round(graph_time(calls, trials=5, replays=1) * 1e6 / len(calls), 2)}
+            "graph_us_per_call": round(graph_time(calls, trials=5, replays=1) * 1e6 / len(calls), 2),
+            "cold_graph_us_per_call": cold_graph_us(torch, call) if cold else None}
+
+
+_FLUSH = []  # the L2 flush's source buffer, allocated once
+
+
+def cold_graph_us(torch, call, n=10):
+    """Microseconds per call with the L2 cache flushed before each call, as in a decode step (where
+    the K/V were last touched a layer's worth of weights ago): a graph of n (flush, call) pairs
+    minus a graph of n flushes. The flush reads 256 MiB (five times the H200's L2), read-only, so no
+    dirty lines are written back during the call."""
+    if not _FLUSH:
+        _FLUSH.append(torch.ones(64 << 20, device="cuda", dtype=torch.float32))
+
+    def flush():
+        return _FLUSH[0].sum()
+
+    both = graph_time([flush, call] * n, trials=5, replays=1)
+    alone = graph_time([flush] * n, trials=5, replays=1)
+    return round((both - alone) * 1e6 / n, 2)
 
 
 def _ints(text):
@@ -134,6 +157,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-cold", action="store_true",
+                    help="skip the cold-L2 graph timing (cold_graph_us_per_call: the L2 flushed before each call)")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="qwen3_8b")
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {','.join(IMPLS)}")
     ap.add_argument("--batches", type=_ints, default=[1, 4, 16, 64])
@@ -182,11 +207,13 @@ def main():
     suffix = "" if args.geometry == "qwen3_8b" else f"_{args.geometry}"
     out = Path(args.out) / f"gpu_h200_attention_small{suffix}.json"
     for impl, batch, qlen, ctx, splits, max_kv in plan(args):
-        r = case(testing, torch, impl, batch, qlen, ctx, splits, max_kv, args.reps, geometry=(nh, nkv, hd))
+        r = case(testing, torch, impl, batch, qlen, ctx, splits, max_kv, args.reps, geometry=(nh, nkv, hd),
+                 cold=not args.no_cold)
         res["cases"].append(r)
         print(f"{impl} b={batch} q={qlen} ctx={ctx} splits={splits}->{r['splits']} "
               f"max_kv={max_kv}: {r['us_per_call']} us, {r['launches_per_call']} launches "
-              f"({r['kv_gbs']} GB/s), graph {r['graph_us_per_call']} us", flush=True)
+              f"({r['kv_gbs']} GB/s), graph {r['graph_us_per_call']} us, cold L2 {r['cold_graph_us_per_call']} us",
+              flush=True)
         write_json(out, res)
     print(f"wrote {out}")
 
