@@ -23,7 +23,10 @@
 // (m, l, acc) partials, which the last CTA combines (decode_attention_common.cuh) for up to 16
 // rows, and a second kernel (decode_attention_mma_combine_kernel, spread over the rows) above.
 //
-// Programmatic dependent launch: detail::pdl_begin() before any memory access.
+// Programmatic dependent launch: the metadata, the block table and the first pass's keys of earlier
+// steps are read before detail::pdl_begin(), everything else after it (the kernel's top says why).
+#include <climits>
+
 #include "cuda/common.cuh"
 #include "cuda/decode_attention_common.cuh"
 #include "cuda/kernels.h"
@@ -83,7 +86,10 @@ __global__ void __launch_bounds__(kThreads) decode_attention_mma_kernel(Params p
   __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   __nv_bfloat16* kv_s = reinterpret_cast<__nv_bfloat16*>(smem_raw + L::q_bytes(MT));
 
-  detail::pdl_begin();
+  // Before the wait for the kernel ahead (programmatic launch) the CTA reads the batch's metadata
+  // and the block table and copies the first pass's keys of earlier steps, as the CUDA-core kernel's
+  // staged and fused versions do (decode_attention.cu says why nothing ahead writes them); Q and
+  // this step's keys (the last num_q, written by the K/V write right before) come after it.
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rt = warp % MT, kgroup = warp / MT;
   const int seq = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
@@ -99,19 +105,14 @@ __global__ void __launch_bounds__(kThreads) decode_attention_mma_kernel(Params p
   const int num_passes = (c1 - c0 + kPassKeys - 1) / kPassKeys;
   const int32_t* table = p.block_table + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
 
-  // Q rows (zeros past `rows`), in the first copy group with pass 0.
-  for (int c = tid; c < ROWS * L::kChunks; c += kThreads) {
-    const int r = c / L::kChunks, part = c % L::kChunks;
-    const bool ok = r < rows;
-    const __nv_bfloat16* src = ok ? p.q + row_base(p, q_begin, kv_head, group, r) * HD + part * 8 : p.q;
-    cp_async16(smem_addr(q_s + r * S + part * 8), src, ok);
-  }
-  auto load_pass = [&](int pass) {
+  // The copies of a pass's keys j in [from, to) (the first pass in two calls, either side of the wait).
+  auto load_pass = [&](int pass, int from = 0, int to = INT_MAX) {
     const int pass0 = c0 + pass * kPassKeys;
     __nv_bfloat16* k_dst = kv_s + (pass % kStages) * 2 * kPassKeys * S;
     __nv_bfloat16* v_dst = k_dst + kPassKeys * S;
     for (int c = tid; c < kPassKeys * L::kChunks; c += kThreads) {
       const int key = c / L::kChunks, part = c % L::kChunks, j = pass0 + key;
+      if (j < from || j >= to) continue;
       const bool ok = j < c1;  // keys past the split read as zeros (and are masked)
       int64_t off = 0;
       if (ok) {
@@ -123,9 +124,21 @@ __global__ void __launch_bounds__(kThreads) decode_attention_mma_kernel(Params p
       cp_async16(smem_addr(v_dst + key * S + part * 8), p.v_pool + off, ok);
     }
   };
+  const int first_new = kv_len - num_q;  // this step's keys: [first_new, kv_len)
+  if (num_passes > 0) load_pass(0, 0, first_new);
+  cp_async_commit();
+  detail::pdl_begin();
+  // Q rows (zeros past `rows`), in the next copy group with the rest of pass 0.
+  for (int c = tid; c < ROWS * L::kChunks; c += kThreads) {
+    const int r = c / L::kChunks, part = c % L::kChunks;
+    const bool ok = r < rows;
+    const __nv_bfloat16* src = ok ? p.q + row_base(p, q_begin, kv_head, group, r) * HD + part * 8 : p.q;
+    cp_async16(smem_addr(q_s + r * S + part * 8), src, ok);
+  }
+  if (num_passes > 0 && first_new < c0 + kPassKeys) load_pass(0, first_new, INT_MAX);
   for (int pass = 0; pass < kStages - 1; ++pass) {
-    if (pass < num_passes) load_pass(pass);
-    cp_async_commit();  // empty groups too: the wait counts stay uniform
+    if (pass > 0 && pass < num_passes) load_pass(pass);
+    cp_async_commit();  // empty groups too: the wait counts stay uniform (one more group than passes)
   }
 
   // This lane's two rows of its warp's tile: g and g + 8 (mma fragment rows), lanes 4g..4g+3.
