@@ -116,6 +116,18 @@ void cuda_l2_prefetch(const Any& w, int64_t bytes, int max_blocks) {
   finish("l2_prefetch", cuda::l2_prefetch(w.data(), bytes, max_blocks, nullptr));
 }
 
+// Rows `rows` of src copied into dst (both [R, ...], one dtype and shape) late: cuda::late_copy_rows,
+// launched on stream (a kernel launched next on it starts before the copy lands).
+void cuda_late_copy_rows(const Any& dst, const Any& src, const I32& rows, uint32_t delay_ns, uintptr_t stream) {
+  DFLASH_ARG_CHECK(dst.ndim() >= 1 && dst.nbytes() == src.nbytes() && dst.shape(0) == src.shape(0),
+                   "late_copy_rows: dst and src of one shape");
+  use_device(dst.device_id());
+  const int64_t row_bytes = static_cast<int64_t>(dst.nbytes()) / static_cast<int64_t>(dst.shape(0));
+  run("late_copy_rows", stream,
+      cuda::late_copy_rows(dst.data(), src.data(), rows.data(), static_cast<int64_t>(rows.size()), row_bytes,
+                           delay_ns, reinterpret_cast<cudaStream_t>(stream)));
+}
+
 void cuda_bf16_to_f32(const Any& x, const F32& out) {
   DFLASH_ARG_CHECK(numel(x) == static_cast<int64_t>(out.size()), "bf16_to_f32: x, out of one size");
   use_device(x.device_id());
@@ -588,6 +600,7 @@ void bind_cuda_testing(nb::module_& m) {
   m.def("cuda_silu_mul", &cuda_silu_mul, "gate_up"_a, "out"_a);
   m.def("cuda_add", &cuda_add, "a"_a, "b"_a, "out"_a);
   m.def("cuda_l2_prefetch", &cuda_l2_prefetch, "w"_a, "bytes"_a, "max_blocks"_a);
+  m.def("cuda_late_copy_rows", &cuda_late_copy_rows, "dst"_a, "src"_a, "rows"_a, "delay_ns"_a, "stream"_a);
   m.def("cuda_bf16_to_f32", &cuda_bf16_to_f32, "x"_a, "out"_a);
   m.def("cuda_f32_to_bf16", &cuda_f32_to_bf16, "x"_a, "out"_a);
   m.def("cuda_qkv_norm_rope", &cuda_qkv_norm_rope, "qkv"_a, "q_norm"_a.none(), "k_norm"_a.none(),
