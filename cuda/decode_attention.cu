@@ -155,7 +155,9 @@ __device__ __forceinline__ void load_pass(const Params& p, const int32_t* table,
 }
 
 // Shared memory of the fused prologue (ROPE), in red (not used before the end of the key loop):
-// the rows' queries qb [RB][HD], and this CTA's new keys kn, vn [RB][HD] (bf16).
+// the rows' queries qb [RB][HD], and this CTA's new keys kn, vn [RB][HD] (bf16); with STAGED,
+// after the stages.
+constexpr size_t rope_scratch_bytes(int rb, int hd) { return size_t{3} * rb * hd * sizeof(__nv_bfloat16); }
 template <int HD>
 struct RopeScratch {
   __nv_bfloat16* qb;
@@ -306,13 +308,21 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   const int seq = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
   const int q_begin = p.query_start[seq];
   const int num_q = p.query_start[seq + 1] - q_begin;
-  if (num_q <= 0) return;
+  // A CTA leaving before its wait waits first (ROPE, STAGED): a grid of such CTAs alone must still
+  // end after the kernel ahead, which a kernel behind it that waits on this one relies on.
+  if (num_q <= 0) {
+    if constexpr (ROPE || STAGED) detail::pdl_begin();
+    return;
+  }
   const int group = p.num_heads / p.num_kv_heads;
   const int rows = min(num_q * group, RB);
   const int kv_len = max(p.kv_len[seq], 0);
 
   const SplitKeys keys = split_keys(p, kv_len, num_q, split, num_splits, 16);
-  if (split >= keys.active) return;
+  if (split >= keys.active) {
+    if constexpr (ROPE || STAGED) detail::pdl_begin();
+    return;
+  }
   const int c0 = keys.c0, c1 = keys.c1, active = keys.active;
 
   // The first pass's K/V loads (HBM) go out before Q is staged (L2), so their latencies overlap;
@@ -325,7 +335,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(Params p) {
   [[maybe_unused]] __nv_bfloat16* rope_s =
       STAGED ? reinterpret_cast<__nv_bfloat16*>(dyn_smem + SL::kBytes) : reinterpret_cast<__nv_bfloat16*>(red);
   [[maybe_unused]] const RopeScratch<HD> sm{rope_s, rope_s + RB * HD, rope_s + 2 * RB * HD, written_s};
-  static_assert(3 * RB * HD * sizeof(__nv_bfloat16) <= 4 * RB * HD * sizeof(float), "the prologue's rows fit in red");
+  static_assert(rope_scratch_bytes(RB, HD) <= 4 * RB * HD * sizeof(float), "the prologue's rows fit in red");
   const int first_new = kv_len - num_q;  // this step's keys: [first_new, kv_len)
   // ROPE: this CTA's new tokens, queries [new0, new1), keys first_new + i in [c0, c1); their keys
   // and values go to the pools (and kn / vn), the queries to qb. new1 is clamped to new0: a split
@@ -615,7 +625,7 @@ cudaError_t launch_cuda_cores(const Params& p, int head_dim, int rows, dim3 grid
                              : (rope ? pick_rows<64, true, true>(rows) : pick_rows<64, false, true>(rows));
     smem = head_dim == 128 ? StagedLayout<128>::kBytes : StagedLayout<64>::kBytes;
     // With ROPE: the prologue's qb, kn, vn [RB][HD] bf16 after the stages (RB as pick_rows picks).
-    if (rope) smem += size_t{3} * row_block(rows) * head_dim * sizeof(__nv_bfloat16);
+    if (rope) smem += rope_scratch_bytes(row_block(rows), head_dim);
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem));
     if (e != cudaSuccess) return e;

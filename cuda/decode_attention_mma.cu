@@ -95,12 +95,20 @@ __global__ void __launch_bounds__(kThreads) decode_attention_mma_kernel(Params p
   const int seq = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
   const int q_begin = p.query_start[seq];
   const int num_q = p.query_start[seq + 1] - q_begin;
-  if (num_q <= 0) return;
+  // A CTA leaving before its wait waits first: a grid of such CTAs alone must still end after the
+  // kernel ahead, which a kernel behind it that waits on this one relies on.
+  if (num_q <= 0) {
+    detail::pdl_begin();
+    return;
+  }
   const int group = p.num_heads / p.num_kv_heads;
   const int rows = min(num_q * group, ROWS);
   const int kv_len = max(p.kv_len[seq], 0);
   const SplitKeys keys = split_keys(p, kv_len, num_q, split, num_splits, kPassKeys);
-  if (split >= keys.active) return;
+  if (split >= keys.active) {
+    detail::pdl_begin();
+    return;
+  }
   const int c0 = keys.c0, c1 = keys.c1;
   const int num_passes = (c1 - c0 + kPassKeys - 1) / kPassKeys;
   const int32_t* table = p.block_table + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
@@ -138,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_mma_kernel(Params p
   if (num_passes > 0 && first_new < c0 + kPassKeys) load_pass(0, first_new, INT_MAX);
   for (int pass = 0; pass < kStages - 1; ++pass) {
     if (pass > 0 && pass < num_passes) load_pass(pass);
-    cp_async_commit();  // empty groups too: the wait counts stay uniform (one more group than passes)
+    cp_async_commit();  // empty groups too: the wait counts stay uniform (the first pass's copies are two groups)
   }
 
   // This lane's two rows of its warp's tile: g and g + 8 (mma fragment rows), lanes 4g..4g+3.

@@ -134,11 +134,12 @@ cudaError_t stream_gemm(const __nv_bfloat16* in, const __nv_bfloat16* w, int64_t
 // otherwise.
 cudaError_t l2_prefetch(const void* w, int64_t bytes, int max_blocks, cudaStream_t stream);
 
-// Test utility (cuda/late_copy.cu): dst row r = src row r for r in rows[0, num_rows), rows of
-// row_bytes (a multiple of 16; dst and src 16-byte aligned), written delay_ns after the kernel ahead
-// completed, while the next kernel in the stream (launched programmatically) has already started.
-cudaError_t late_copy_rows(void* dst, const void* src, const int32_t* rows, int64_t num_rows, int64_t row_bytes,
-                           uint32_t delay_ns, cudaStream_t stream);
+// Test utility (cuda/late_copy.cu): dst row r = src row r for r in rows[0, num_rows) (dst and src
+// [total_rows] rows of row_bytes, a multiple of 16, 16-byte aligned; rows outside [0, total_rows)
+// are skipped), written delay_ns after the kernel ahead completed, while the next kernel in the
+// stream (launched programmatically) has already started.
+cudaError_t late_copy_rows(void* dst, const void* src, int64_t total_rows, const int32_t* rows, int64_t num_rows,
+                           int64_t row_bytes, uint32_t delay_ns, cudaStream_t stream);
 
 // fp32 <-> bf16 element conversion
 cudaError_t bf16_to_f32(const __nv_bfloat16* x, int64_t n, float* out, cudaStream_t stream);

@@ -14,7 +14,7 @@ namespace cuda {
 namespace {
 
 __global__ void late_copy_rows_kernel(char* dst, const char* src, const int32_t* rows, int64_t num_rows,
-                                      int64_t row_bytes, uint32_t delay_ns) {
+                                      int64_t total_rows, int64_t row_bytes, uint32_t delay_ns) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
   uint64_t start = 0, now = 0;
@@ -27,23 +27,24 @@ __global__ void late_copy_rows_kernel(char* dst, const char* src, const int32_t*
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = rows[i / pieces], off = row * row_bytes + (i % pieces) * 16;
+    if (row < 0 || row >= total_rows) continue;  // not a row of dst: nothing written
     *reinterpret_cast<uint4*>(dst + off) = *reinterpret_cast<const uint4*>(src + off);
   }
 }
 
 }  // namespace
 
-cudaError_t late_copy_rows(void* dst, const void* src, const int32_t* rows, int64_t num_rows, int64_t row_bytes,
-                           uint32_t delay_ns, cudaStream_t stream) {
-  if (dst == nullptr || src == nullptr || rows == nullptr || num_rows < 0 || row_bytes <= 0 || row_bytes % 16 != 0 ||
-      !detail::aligned16(dst) || !detail::aligned16(src)) {
+cudaError_t late_copy_rows(void* dst, const void* src, int64_t total_rows, const int32_t* rows, int64_t num_rows,
+                           int64_t row_bytes, uint32_t delay_ns, cudaStream_t stream) {
+  if (dst == nullptr || src == nullptr || num_rows < 0 || (num_rows > 0 && rows == nullptr) || total_rows < 0 ||
+      row_bytes <= 0 || row_bytes % 16 != 0 || !detail::aligned16(dst) || !detail::aligned16(src)) {
     return cudaErrorInvalidValue;
   }
   // A few CTAs: the kernel behind it must find free SMs while these sleep.
   const unsigned blocks = detail::grid_for(num_rows * (row_bytes / 16), 256, 4);
-  detail::launch(&late_copy_rows_kernel, blocks, 256, 0, stream, static_cast<char*>(dst),
-                 static_cast<const char*>(src), rows, num_rows, row_bytes, delay_ns);
-  return cudaGetLastError();
+  const cudaError_t e = detail::launch(&late_copy_rows_kernel, blocks, 256, 0, stream, static_cast<char*>(dst),
+                                       static_cast<const char*>(src), rows, num_rows, total_rows, row_bytes, delay_ns);
+  return e != cudaSuccess ? e : cudaGetLastError();
 }
 
 }  // namespace cuda

@@ -119,13 +119,18 @@ void cuda_l2_prefetch(const Any& w, int64_t bytes, int max_blocks) {
 // Rows `rows` of src copied into dst (both [R, ...], one dtype and shape) late: cuda::late_copy_rows,
 // launched on stream (a kernel launched next on it starts before the copy lands).
 void cuda_late_copy_rows(const Any& dst, const Any& src, const I32& rows, uint32_t delay_ns, uintptr_t stream) {
-  DFLASH_ARG_CHECK(dst.ndim() >= 1 && dst.nbytes() == src.nbytes() && dst.shape(0) == src.shape(0),
-                   "late_copy_rows: dst and src of one shape");
+  DFLASH_ARG_CHECK(dst.ndim() >= 1 && dst.shape(0) > 0 && dst.nbytes() == src.nbytes() &&
+                       dst.shape(0) == src.shape(0) && dst.dtype() == src.dtype() &&
+                       dst.device_id() == src.device_id() && rows.device_id() == dst.device_id(),
+                   "late_copy_rows: dst and src of one dtype and shape, rows on their device");
   use_device(dst.device_id());
-  const int64_t row_bytes = static_cast<int64_t>(dst.nbytes()) / static_cast<int64_t>(dst.shape(0));
+  const int64_t total_rows = static_cast<int64_t>(dst.shape(0));
+  const int64_t row_bytes = static_cast<int64_t>(dst.nbytes()) / total_rows;
+  DFLASH_ARG_CHECK(row_bytes % 16 == 0, "late_copy_rows: rows of a multiple of 16 bytes");
+  if (rows.size() == 0) return;
   run("late_copy_rows", stream,
-      cuda::late_copy_rows(dst.data(), src.data(), rows.data(), static_cast<int64_t>(rows.size()), row_bytes,
-                           delay_ns, reinterpret_cast<cudaStream_t>(stream)));
+      cuda::late_copy_rows(dst.data(), src.data(), total_rows, rows.data(), static_cast<int64_t>(rows.size()),
+                           row_bytes, delay_ns, reinterpret_cast<cudaStream_t>(stream)));
 }
 
 void cuda_bf16_to_f32(const Any& x, const F32& out) {

@@ -8,9 +8,11 @@
 # and writes 200 us later. Before it lands those rows hold other values, so a kernel that read any
 # of them early would give another result: each launch must have the bits of the same kernel
 # launched with everything in place. A control writes one earlier key late too (key 0 of every
-# sequence, which the first pass reads before the wait): then some launch must differ, which shows
-# that the attention really ran ahead of the late copy (the test is not vacuous). Skipped without
-# a usable Hopper GPU.
+# sequence, which the first pass reads before the wait), as the first of the chained late copies
+# (the others land after it): then some launch must differ, which shows that the attention really
+# ran ahead of the late copies (the test is not vacuous). The fused kernels are compared with
+# themselves here; test_cuda_decode_attention_rope.py compares them with the unfused pair.
+# Skipped without a usable Hopper GPU.
 from __future__ import annotations
 
 import pytest
@@ -90,8 +92,11 @@ def _run(b: Batch, kernel, rope, late: bool, extra_late_keys: bool = False):
     stream = side.cuda_stream
     torch.cuda.synchronize()
     if late:
-        copies = []  # (destination, the values it must end with, rows)
+        copies = []  # (destination, the values it must end with, rows), landing in this order
         flat_k, flat_v = k_pool.view(-1, b.nkv, b.hd), v_pool.view(-1, b.nkv, b.hd)
+        if extra_late_keys:  # first: the chained copies land ~DELAY_NS apart, this one earliest
+            first = _slots(b, lambda s, kv, nq: [0] if kv > nq else [])
+            copies.append((flat_k, flat_k.clone(), first))
         if rope is None:
             rows = torch.arange(q.shape[0], dtype=torch.int32, device="cuda")
             copies.append((q, q.clone(), rows))
@@ -100,9 +105,6 @@ def _run(b: Batch, kernel, rope, late: bool, extra_late_keys: bool = False):
         else:
             rows = torch.arange(qkv.shape[0], dtype=torch.int32, device="cuda")
             copies.append((qkv, qkv.clone(), rows))
-        if extra_late_keys:
-            first = _slots(b, lambda s, kv, nq: [0] if kv > nq else [])
-            copies += [(flat_k, flat_k.clone(), first)]
         for dst, _, rows in copies:  # the old values: other random ones, finite
             dst[rows.long()] = torch.randn_like(dst[rows.long()].float()).to(dst.dtype)
         torch.cuda.synchronize()
