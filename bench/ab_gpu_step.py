@@ -90,6 +90,12 @@ def summarize(runs: list[dict[str, Any]], labels: list[str]) -> dict[str, Any]:
             "ratio_meaning": f"variant median / {labels[0] if labels else '?'} median, per point (< 1: faster)"}
 
 
+def run_fits(elapsed_s: float, longest_run_s: float, deadline_s: float | None) -> bool:
+    """Whether another child run may start: no deadline, or the longest run so far still ends
+    before it (a run killed by the device's command limit would leave nothing)."""
+    return deadline_s is None or elapsed_s + longest_run_s <= deadline_s
+
+
 def child_command(args, out_dir: Path, work_dir: Path) -> list[str]:
     cmd = [sys.executable, str(BENCH_DIR / "bench_gpu_qwen3.py"), "--out", str(out_dir), "--work-dir", str(work_dir),
            "--sections", args.sections, "--batches", args.batches, "--contexts", args.contexts,
@@ -112,6 +118,9 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--run-budget-s", type=float, default=150.0, help="each child run's --budget-s")
     ap.add_argument("--work-dir", default=None, help="the random models (default: a temp dir)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no run that would end (by the longest run so far) past this many seconds; the "
+                         "runs left out are listed under 'skipped'")
     args = ap.parse_args(argv)
     variants = [parse_variant(v) for v in args.variant]
     labels = [label for label, _ in variants]
@@ -125,8 +134,14 @@ def main(argv=None) -> None:
     res: dict[str, Any] = {"benchmark": "gpu_ab_step", "date": now_iso(), "command": command_line(),
                            "note": args.note, "method": __doc__, "variants": dict(variants), "runs": []}
     t0 = time.perf_counter()
+    longest = 0.0
     for repeat in range(args.repeats):
         for label, env in variants:
+            if not run_fits(time.perf_counter() - t0, longest, args.deadline_s):
+                res.setdefault("skipped", []).append({"label": label, "repeat": repeat})
+                print(f"{label} #{repeat}: skipped (the deadline of {args.deadline_s} s)", flush=True)
+                (out / args.name).write_text(json.dumps(res, indent=1))
+                continue
             run_dir = Path(tempfile.mkdtemp(prefix=f"ab_{label}_"))
             extra_env, flags = split_variant(env)
             cmd = child_command(args, run_dir, work) + flags
@@ -134,6 +149,7 @@ def main(argv=None) -> None:
             p = subprocess.run(cmd, env={**os.environ, **extra_env}, capture_output=True, text=True, check=False)
             run: dict[str, Any] = {"label": label, "repeat": repeat, "env": env, "rc": p.returncode,
                                    "wall_s": round(time.perf_counter() - t, 1)}
+            longest = max(longest, time.perf_counter() - t)
             result_path = run_dir / RESULT_NAME
             if result_path.is_file():
                 result = json.loads(result_path.read_text())
@@ -150,6 +166,8 @@ def main(argv=None) -> None:
             res.update(summarize(res["runs"], labels))
             res["wall_s"] = round(time.perf_counter() - t0, 1)
             (out / args.name).write_text(json.dumps(res, indent=1))
+    res.update(summarize(res["runs"], labels))
+    (out / args.name).write_text(json.dumps(res, indent=1))
     print(json.dumps({"median_ms": res["median_ms"], "ratio_to_first": res["ratio_to_first"]}, indent=1))
     print(f"wrote {out / args.name}")
 

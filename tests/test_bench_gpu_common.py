@@ -128,6 +128,14 @@ def test_ab_variants_parse():
     assert not q.default_sessions(q.parse_args(["--async-decode"]))
 
 
+def test_ab_deadline_keeps_runs_that_fit():
+    ab = _bench_module("ab_gpu_step")
+    assert ab.run_fits(500.0, 80.0, None)
+    assert ab.run_fits(0.0, 0.0, 10.0)  # the first run: nothing measured yet
+    assert ab.run_fits(400.0, 80.0, 480.0)
+    assert not ab.run_fits(401.0, 80.0, 480.0)
+
+
 def test_ab_summary_medians_and_ratios():
     ab = _bench_module("ab_gpu_step")
     result = {"ours": {"ar": {"graphs_on": {"b1_ctx512": {"step_s_median": 0.005}}},
