@@ -545,6 +545,13 @@ KernelFn pick_rows(int rows) {
   }
 }
 
+// The kernel of a launch: head_dim HD, `rows` rows per (sequence, KV head), fused RoPE, staged K/V.
+template <int HD>
+KernelFn pick_kernel(int rows, bool rope, bool staged) {
+  if (staged) return rope ? pick_rows<HD, true, true>(rows) : pick_rows<HD, false, true>(rows);
+  return rope ? pick_rows<HD, true, false>(rows) : pick_rows<HD, false, false>(rows);
+}
+
 int num_sms() {
   static const int sms = [] {
     int device = 0, n = 132;
@@ -618,20 +625,16 @@ int checked_splits(const PagedAttentionArgs& a) {
 // K/V, or neither.
 cudaError_t launch_cuda_cores(const Params& p, int head_dim, int rows, dim3 grid, bool rope, bool staged,
                               cudaStream_t stream) {
-  KernelFn kernel = nullptr;
+  const KernelFn kernel =
+      head_dim == 128 ? pick_kernel<128>(rows, rope, staged) : pick_kernel<64>(rows, rope, staged);
   size_t smem = 0;
   if (staged) {
-    kernel = head_dim == 128 ? (rope ? pick_rows<128, true, true>(rows) : pick_rows<128, false, true>(rows))
-                             : (rope ? pick_rows<64, true, true>(rows) : pick_rows<64, false, true>(rows));
     smem = head_dim == 128 ? StagedLayout<128>::kBytes : StagedLayout<64>::kBytes;
     // With ROPE: the prologue's qb, kn, vn [RB][HD] bf16 after the stages (RB as pick_rows picks).
     if (rope) smem += rope_scratch_bytes(row_block(rows), head_dim);
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem));
     if (e != cudaSuccess) return e;
-  } else {
-    kernel = head_dim == 128 ? (rope ? pick_rows<128, true, false>(rows) : pick_rows<128, false, false>(rows))
-                             : (rope ? pick_rows<64, true, false>(rows) : pick_rows<64, false, false>(rows));
   }
   const cudaError_t e = detail::launch(kernel, grid, dim3(kThreads), smem, stream, p);
   return e != cudaSuccess ? e : cudaGetLastError();

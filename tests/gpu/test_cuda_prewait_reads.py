@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from .test_cuda_decode_attention_rope import RopeInputs, batch_of
+from .test_cuda_decode_attention_rope import RopeInputs, _bits, _testing, batch_of
 from .test_triton_attention import _SKIP_REASON, Batch
 
 pytestmark = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
@@ -29,18 +29,6 @@ KERNELS = [("register", "decode"), ("staged", "decode"), ("staged", "multi"), ("
            ("rope_staged", "multi"), ("tensor_cores", "decode"), ("tensor_cores", "verify")]
 HEADS = [(32, 8, 128), (9, 3, 64)]
 KV_LENS = [1000, 70, 300, 17]
-
-
-def _testing():
-    from dflash._core import testing
-
-    return testing
-
-
-def _bits(x):
-    import torch
-
-    return x.contiguous().view(torch.int16)
 
 
 def _batch(kind, nh, nkv, hd, seed):
