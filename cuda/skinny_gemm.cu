@@ -31,6 +31,13 @@
 // (same code, same warps: chosen by the number of w tiles), so a row's bits are those of its
 // slice whatever M. The slices of a w tile run side by side, so the tile comes from HBM once and
 // from L2 for the other slices (one launch instead of one per 16 rows, each streaming all of w).
+// Past one slice a CTA computes G slices of its w tile (G = 2, or 4 with 8 warps; plain x only):
+// each w load of a step feeds the mmas of all G slices, one accumulator set per slice, so L2
+// serves the tile ceil(slices / G) times instead of once per slice (at 256 rows, the verify step
+// of 16 sequences, 16 reads of every weight from L2 were the step's whole cost). A slice's mmas,
+// accumulator sets and warp sum are those of its launch alone, in the same order (the other
+// slices' mmas only interleave with them), so its bits do not depend on G; a CTA whose group runs
+// past the last slice computes that slice again and does not write it.
 //
 // Fused variants (skinny_gemm_fused, M <= 16): the CTA first builds x in shared memory from the
 // layer's input (RMSNorm of the residual stream, or silu(gate) * up), with the formulas of the
@@ -59,25 +66,44 @@ using namespace skinny;
 // grid.x = ceil(N / (16 R)); dynamic shared memory W * red_bytes(NT, R).
 // IN: SkinnyInput (kPlain: x from global memory; else staged in shared memory from `x`, the
 // fused input, after the reduction buffer); ADD: out (bf16) += the product.
-// SLICED (the batch-invariant launches, every M): slice_rows rows of x per slice; CTA b computes
-// w tile b / slices for x rows [s slice_rows, min((s + 1) slice_rows, M)), s = b % slices. The
-// other instantiations ignore slice_rows (one slice; their code and registers as before).
-template <int NT, int R, int U, bool F32, int IN = 0, bool ADD = false, bool SLICED = false>
-__global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* __restrict__ x,
+// SLICED (the batch-invariant launches, every M): slice_rows rows of x per slice, G slices per CTA;
+// with groups = ceil(slices / G), CTA b computes w tile b / groups for the slices
+// s = (b % groups) G + i, i < G (past the last slice: the last one again, not written), x rows
+// [s slice_rows, min((s + 1) slice_rows, M)) each. The other instantiations ignore slice_rows
+// (one slice; their code and registers as before). G > 1: plain x only, 8 warps at most with G 4.
+template <int NT, int R, int U, bool F32, int IN = 0, bool ADD = false, bool SLICED = false, int G = 1>
+__global__ void __launch_bounds__(G >= 4 ? 256 : 512) skinny_gemm_kernel(const __nv_bfloat16* __restrict__ x,
                                                           const __nv_bfloat16* __restrict__ w, int M, int N, int K,
                                                           void* __restrict__ out,
                                                           const __nv_bfloat16* __restrict__ gamma = nullptr,
                                                           float eps = 0.0f, int slice_rows = 0) {
+  static_assert(G == 1 || (SLICED && IN == 0), "several slices per CTA: batch-invariant launches of plain x only");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   int tile = blockIdx.x;
-  if constexpr (SLICED) {  // this CTA's slice of x and out, as a launch of its own
+  // This CTA's slices as launches of their own: row offset and rows of slice i; `valid` of them
+  // are written (the rest repeat the last slice).
+  int m0s[G], ms[G], valid = 1;
+  if constexpr (SLICED && G == 1) {  // this CTA's slice of x and out, as a launch of its own
     const int slices = (M + slice_rows - 1) / slice_rows, slice = blockIdx.x % slices, m0 = slice * slice_rows;
     tile = blockIdx.x / slices;
     x += static_cast<int64_t>(m0) * (IN == static_cast<int>(SkinnyInput::kSiluMul) ? 2 * K : K);
     out = static_cast<char*>(out) + static_cast<int64_t>(m0) * N * (F32 ? 4 : 2);
     M = min(slice_rows, M - m0);
+  } else if constexpr (SLICED) {
+    const int slices = (M + slice_rows - 1) / slice_rows, groups = (slices + G - 1) / G;
+    const int first = (static_cast<int>(blockIdx.x) % groups) * G;
+    tile = blockIdx.x / groups;
+    valid = min(G, slices - first);
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+      m0s[i] = min(first + i, slices - 1) * slice_rows;
+      ms[i] = min(slice_rows, M - m0s[i]);
+    }
   }
+  // Slice i's first row and rows (G 1: x and out start at the CTA's only slice, of M rows).
+  auto first_row = [&](int i) { return G == 1 ? 0 : m0s[i]; };
+  auto rows_of = [&](int i) { return G == 1 ? M : ms[i]; };
   const int row0 = tile * (16 * R);
   // Before waiting for the kernel ahead (programmatic dependent launch): this CTA's weight rows,
   // which no kernel writes, start streaming into L2 while that kernel finishes.
@@ -94,7 +120,7 @@ __global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* _
   detail::pdl_begin();
   constexpr bool kStaged = IN != 0;
   extern __shared__ float red[];
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(red + num_warps * (8 * NT) * red_stride(R));
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(red + num_warps * G * (8 * NT) * red_stride(R));
   if constexpr (kStaged) stage_input<IN>(x, gamma, eps, M, K, xs);
   const int x_stride = kStaged ? staged_stride(K) : K;
   auto load_in = [&](const __nv_bfloat16* p) -> uint4 {
@@ -114,41 +140,61 @@ __global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* _
       wp[rt][h] = w + static_cast<int64_t>(r) * K + t * 8;
     }
   }
-  const __nv_bfloat16* xp[NT];
+  const __nv_bfloat16* xp[G][NT];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    xp[j] = (kStaged ? xs : x) + static_cast<int64_t>(min(8 * j + g, M - 1)) * x_stride + t * 8;
-  }
+  for (int i = 0; i < G; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      xp[i][j] = (kStaged ? xs : x) + static_cast<int64_t>(first_row(i) + min(8 * j + g, rows_of(i) - 1)) * x_stride +
+                 t * 8;
+    }
 
   // A independent accumulator sets (chunk u feeds set u % A) keep the chain of dependent mmas
   // of a step short; they are added in a fixed order at the end.
+  // With G slices, one such accumulator per slice.
   constexpr int A = (R * NT >= 4 || U < 2) ? 1 : (U >= 8 ? 2 : 4 / (R * NT));
-  float acc[A][R][NT][4];
+  float acc[G][A][R][NT][4];
 #pragma unroll
-  for (int q = 0; q < A; ++q)
+  for (int i = 0; i < G; ++i)
 #pragma unroll
-    for (int rt = 0; rt < R; ++rt)
+    for (int q = 0; q < A; ++q)
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
+      for (int rt = 0; rt < R; ++rt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[q][rt][j][e] = 0.0f;
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][q][rt][j][e] = 0.0f;
 
   const int num_chunks = (K + kChunk - 1) / kChunk, full_chunks = K / kChunk;
   for (int c0 = warp * U; c0 < num_chunks; c0 += num_warps * U) {
+    const bool full = c0 + U <= full_chunks;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
     uint4 a[U][R][2], b[U][NT];
-    if (c0 + U <= full_chunks) {
+    // x pieces of slice i for this step (the k tail: pieces at k >= K read as zeros, both
+    // operands: no 0 * NaN).
+    auto load_b = [&](int i) {
+      if (full) {
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int j = 0; j < NT; ++j) b[u][j] = load_in(xp[i][j] + (c0 + u) * kChunk);
+      } else {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const bool ok = (c0 + u) * kChunk + t * 8 < K;
+#pragma unroll
+          for (int j = 0; j < NT; ++j) b[u][j] = ok ? load_in(xp[i][j] + (c0 + u) * kChunk) : zero;
+        }
+      }
+    };
+    if (full) {
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int rt = 0; rt < R; ++rt)
 #pragma unroll
           for (int h = 0; h < 2; ++h) a[u][rt][h] = load_w(wp[rt][h] + (c0 + u) * kChunk);
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) b[u][j] = load_in(xp[j] + (c0 + u) * kChunk);
-    } else {  // the k tail: pieces at k >= K read as zeros (both operands: no 0 * NaN)
-      const uint4 zero = make_uint4(0, 0, 0, 0);
+    } else {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const bool ok = (c0 + u) * kChunk + t * 8 < K;
@@ -156,60 +202,71 @@ __global__ void __launch_bounds__(512) skinny_gemm_kernel(const __nv_bfloat16* _
         for (int rt = 0; rt < R; ++rt)
 #pragma unroll
           for (int h = 0; h < 2; ++h) a[u][rt][h] = ok ? load_w(wp[rt][h] + (c0 + u) * kChunk) : zero;
-#pragma unroll
-        for (int j = 0; j < NT; ++j) b[u][j] = ok ? load_in(xp[j] + (c0 + u) * kChunk) : zero;
       }
     }
-    // Words 2s, 2s + 1 of a load (k + 4s + {0, 1} and k + 4s + {2, 3}) are logical k {2t, 2t+1}
-    // and {2t+8, 2t+9} of k16 step s, for the A rows g (h = 0), g + 8 (h = 1) and the B column g.
+    // The step's w pieces feed the mmas of every slice of the CTA, one slice after the other.
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+    for (int i = 0; i < G; ++i) {
+      load_b(i);
+      // Words 2s, 2s + 1 of a load (k + 4s + {0, 1} and k + 4s + {2, 3}) are logical k {2t, 2t+1}
+      // and {2t+8, 2t+9} of k16 step s, for the A rows g (h = 0), g + 8 (h = 1) and the B column g.
 #pragma unroll
-      for (int s = 0; s < 2; ++s)
+      for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int rt = 0; rt < R; ++rt)
+        for (int s = 0; s < 2; ++s)
 #pragma unroll
-          for (int j = 0; j < NT; ++j)
-            mma_bf16(acc[u % A][rt][j], word(a[u][rt][0], 2 * s), word(a[u][rt][1], 2 * s), word(a[u][rt][0], 2 * s + 1),
-                     word(a[u][rt][1], 2 * s + 1), word(b[u][j], 2 * s), word(b[u][j], 2 * s + 1));
+          for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+              mma_bf16(acc[i][u % A][rt][j], word(a[u][rt][0], 2 * s), word(a[u][rt][1], 2 * s),
+                       word(a[u][rt][0], 2 * s + 1), word(a[u][rt][1], 2 * s + 1), word(b[u][j], 2 * s),
+                       word(b[u][j], 2 * s + 1));
+    }
   }
 
   // Accumulator fragment: c0, c1 = (row g, columns 2t, 2t+1), c2, c3 = (row g + 8, same columns),
-  // row = w row in the tile, column = x row in the column tile.
+  // row = w row in the tile, column = x row in the column tile. Buffer [W][G][8 NT][S].
   constexpr int S = red_stride(R), MP = 8 * NT, RT = 16 * R;
-  float* mine = red + warp * MP * S;
 #pragma unroll
-  for (int rt = 0; rt < R; ++rt) {
+  for (int i = 0; i < G; ++i) {
+    float* mine = red + (warp * G + i) * MP * S;
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      float c[4];
+    for (int rt = 0; rt < R; ++rt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        c[e] = acc[0][rt][j][e];
+      for (int j = 0; j < NT; ++j) {
+        float c[4];
 #pragma unroll
-        for (int q = 1; q < A; ++q) c[e] += acc[q][rt][j][e];
+        for (int e = 0; e < 4; ++e) {
+          c[e] = acc[i][0][rt][j][e];
+#pragma unroll
+          for (int q = 1; q < A; ++q) c[e] += acc[i][q][rt][j][e];
+        }
+        const int m = 8 * j + 2 * t, n = rt * 16 + g;
+        mine[m * S + n] = c[0];
+        mine[(m + 1) * S + n] = c[1];
+        mine[m * S + n + 8] = c[2];
+        mine[(m + 1) * S + n + 8] = c[3];
       }
-      const int m = 8 * j + 2 * t, n = rt * 16 + g;
-      mine[m * S + n] = c[0];
-      mine[(m + 1) * S + n] = c[1];
-      mine[m * S + n + 8] = c[2];
-      mine[(m + 1) * S + n + 8] = c[3];
     }
   }
   __syncthreads();
   const int rows = min(RT, N - row0);
-  for (int i = threadIdx.x; i < M * RT; i += blockDim.x) {
-    const int m = i / RT, n = i % RT;
-    if (n >= rows) continue;
-    float sum = 0.0f;
-    for (int v = 0; v < num_warps; ++v) sum += red[(v * MP + m) * S + n];
-    const int64_t o = static_cast<int64_t>(m) * N + row0 + n;
-    if constexpr (F32) {
-      static_cast<float*>(out)[o] = sum;
-    } else {
-      __nv_bfloat16* y = static_cast<__nv_bfloat16*>(out);
-      if constexpr (ADD) sum += __bfloat162float(y[o]);
-      y[o] = __float2bfloat16_rn(sum);
+#pragma unroll
+  for (int i = 0; i < G; ++i) {
+    if (i >= valid) break;
+    for (int r = threadIdx.x; r < rows_of(i) * RT; r += blockDim.x) {
+      const int m = r / RT, n = r % RT;
+      if (n >= rows) continue;
+      float sum = 0.0f;
+      for (int v = 0; v < num_warps; ++v) sum += red[((v * G + i) * MP + m) * S + n];
+      const int64_t o = static_cast<int64_t>(first_row(i) + m) * N + row0 + n;
+      if constexpr (F32) {
+        static_cast<float*>(out)[o] = sum;
+      } else {
+        __nv_bfloat16* y = static_cast<__nv_bfloat16*>(out);
+        if constexpr (ADD) sum += __bfloat162float(y[o]);
+        y[o] = __float2bfloat16_rn(sum);
+      }
     }
   }
 }
@@ -223,9 +280,16 @@ KernelFn pick_out(bool out_f32) {
   return out_f32 ? skinny_gemm_kernel<NT, R, U, true> : skinny_gemm_kernel<NT, R, U, false>;
 }
 
-// The batch-invariant kernel (NT 2, R 1, U 4, sliced), for every M.
-KernelFn invariant_kernel(bool out_f32) {
-  return out_f32 ? skinny_gemm_kernel<2, 1, 4, true, 0, false, true> : skinny_gemm_kernel<2, 1, 4, false, 0, false, true>;
+// The batch-invariant kernel (NT 2, R 1, U 4, sliced), for every M, with G slices per CTA.
+template <int G>
+KernelFn invariant_out(bool out_f32) {
+  return out_f32 ? skinny_gemm_kernel<2, 1, 4, true, 0, false, true, G>
+                 : skinny_gemm_kernel<2, 1, 4, false, 0, false, true, G>;
+}
+KernelFn invariant_kernel(bool out_f32, int slices_per_cta) {
+  return slices_per_cta == 4 ? invariant_out<4>(out_f32)
+         : slices_per_cta == 2 ? invariant_out<2>(out_f32)
+                               : invariant_out<1>(out_f32);
 }
 
 // The built (R, U) shapes per NT (each within 128 registers without spills, so that two CTAs of
@@ -251,18 +315,34 @@ KernelFn pick_shape(int row_tiles, int unroll, bool out_f32) {
 using FusedFn = KernelFn;
 
 template <int NT, int U, bool SLICED = false>
-FusedFn pick_fused(SkinnyInput input, bool add) {
+FusedFn pick_fused(SkinnyInput input, bool add, int slices_per_cta = 1) {
   if (input == SkinnyInput::kRmsNorm && !add) return skinny_gemm_kernel<NT, 1, U, false, 1, false, SLICED>;
-  if (input == SkinnyInput::kPlain && add) return skinny_gemm_kernel<NT, 1, U, false, 0, true, SLICED>;
+  if (input == SkinnyInput::kPlain && add) {
+    if constexpr (SLICED) {  // the only fused form with several slices per CTA (x is not staged)
+      if (slices_per_cta == 4) return skinny_gemm_kernel<NT, 1, U, false, 0, true, true, 4>;
+      if (slices_per_cta == 2) return skinny_gemm_kernel<NT, 1, U, false, 0, true, true, 2>;
+    }
+    return skinny_gemm_kernel<NT, 1, U, false, 0, true, SLICED>;
+  }
   if (input == SkinnyInput::kSiluMul && add) return skinny_gemm_kernel<NT, 1, U, false, 2, true, SLICED>;
   if (input == SkinnyInput::kSiluMul && !add) return skinny_gemm_kernel<NT, 1, U, false, 2, false, SLICED>;
   return nullptr;
 }
 
-// Shared memory of a fused launch: the reduction buffer, then x staged (when the input is).
-size_t fused_smem_bytes(int warps, int nt, int64_t m, int64_t k, SkinnyInput input) {
+// Slices of a batch-invariant launch per CTA (the kernel's G): 1 for one slice or a staged input;
+// else 4 when at least 3 slices share a w tile and the CTA has at most 8 warps (G 4 needs up to
+// 255 registers a thread), 2 otherwise. A row's bits do not depend on it (the kernel's top).
+int slices_per_cta(int64_t m, bool batch_invariant, int warps, SkinnyInput input) {
+  const int64_t slices = batch_invariant ? (m + kBatchInvariantRows - 1) / kBatchInvariantRows : 1;
+  if (slices <= 1 || input != SkinnyInput::kPlain) return 1;
+  return slices >= 3 && warps <= 8 ? 4 : 2;
+}
+
+// Shared memory of a fused launch: the reduction buffers (one per slice of the CTA), then x
+// staged (when the input is).
+size_t fused_smem_bytes(int warps, int nt, int64_t m, int64_t k, SkinnyInput input, int slices = 1) {
   const size_t staged = input == SkinnyInput::kPlain ? 0 : static_cast<size_t>(m) * staged_stride(static_cast<int>(k)) * 2;
-  return warps * red_bytes(nt, 1) + staged;
+  return warps * slices * red_bytes(nt, 1) + staged;
 }
 
 constexpr size_t kFusedMaxSmem = 112 * 1024;  // two CTAs per SM still fit (227 KB)
@@ -272,9 +352,11 @@ int64_t rows_per_cta(int64_t m, bool batch_invariant) {
   return batch_invariant ? std::min(m, kBatchInvariantRows) : m;
 }
 
-// CTAs of a launch over `tiles` w tiles: one per tile, times the slices of a batch-invariant M.
-int64_t num_blocks(int64_t tiles, int64_t m, bool batch_invariant) {
-  return tiles * ((m + rows_per_cta(m, batch_invariant) - 1) / rows_per_cta(m, batch_invariant));
+// CTAs of a launch over `tiles` w tiles: one per tile, times the groups of `per_cta` slices of a
+// batch-invariant M.
+int64_t num_blocks(int64_t tiles, int64_t m, bool batch_invariant, int per_cta) {
+  const int64_t slices = (m + rows_per_cta(m, batch_invariant) - 1) / rows_per_cta(m, batch_invariant);
+  return tiles * ((slices + per_cta - 1) / per_cta);
 }
 
 }  // namespace
@@ -298,17 +380,18 @@ cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, i
     return cudaErrorInvalidValue;
   }
   const int nt = (m <= 8 && !f.batch_invariant) ? 1 : 2;
-  FusedFn kernel = f.batch_invariant ? pick_fused<2, 4, true>(f.input, f.add)
-                   : nt == 1          ? pick_fused<1, 8>(f.input, f.add)
-                                      : pick_fused<2, 4>(f.input, f.add);
-  if (kernel == nullptr) return cudaErrorInvalidValue;
   const int64_t tiles = (n + 15) / 16, rows = rows_per_cta(m, f.batch_invariant);
-  const int64_t blocks = num_blocks(tiles, m, f.batch_invariant);
-  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   int device = 0, sms = 132;
   if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   const int warps = tiles <= sms ? 16 : 8;  // by the w tiles only: a slice computes as a launch of its own
-  const size_t smem = fused_smem_bytes(warps, nt, rows, k, f.input);
+  const int per_cta = slices_per_cta(m, f.batch_invariant, warps, f.input);
+  FusedFn kernel = f.batch_invariant ? pick_fused<2, 4, true>(f.input, f.add, per_cta)
+                   : nt == 1          ? pick_fused<1, 8>(f.input, f.add)
+                                      : pick_fused<2, 4>(f.input, f.add);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const int64_t blocks = num_blocks(tiles, m, f.batch_invariant, per_cta);
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  const size_t smem = fused_smem_bytes(warps, nt, rows, k, f.input, per_cta);
   if (smem + kStaticSmemMargin > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem));
@@ -341,14 +424,8 @@ cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t 
     if (config->unroll && !invariant) unroll = config->unroll;
     warps = config->warps;
   }
-  KernelFn kernel = invariant ? invariant_kernel(out_f32)
-                    : nt == 1 ? pick_shape<1>(row_tiles, unroll, out_f32)
-                    : nt == 2 ? pick_shape<2>(row_tiles, unroll, out_f32)
-                              : pick_shape<4>(row_tiles, unroll, out_f32);
-  if (kernel == nullptr || warps < 0 || warps > 16) return cudaErrorInvalidValue;
+  if (warps < 0 || warps > 16) return cudaErrorInvalidValue;
   const int64_t tiles = (n + 16 * row_tiles - 1) / (16 * row_tiles);
-  const int64_t blocks = num_blocks(tiles, m, invariant);
-  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   if (warps == 0) {
     // All CTAs resident at once where possible: two CTAs of 8 warps per SM, or one of 16 warps
     // (a deeper split of K) when there are no more tiles than SMs. By the w tiles only: a
@@ -357,7 +434,15 @@ cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t 
     if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     warps = tiles <= sms ? 16 : 8;
   }
-  const size_t smem = warps * red_bytes(nt, row_tiles);
+  const int per_cta = slices_per_cta(m, invariant, warps, SkinnyInput::kPlain);
+  KernelFn kernel = invariant ? invariant_kernel(out_f32, per_cta)
+                    : nt == 1 ? pick_shape<1>(row_tiles, unroll, out_f32)
+                    : nt == 2 ? pick_shape<2>(row_tiles, unroll, out_f32)
+                              : pick_shape<4>(row_tiles, unroll, out_f32);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const int64_t blocks = num_blocks(tiles, m, invariant, per_cta);
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  const size_t smem = warps * per_cta * red_bytes(nt, row_tiles);
   if (smem + kStaticSmemMargin > 48 * 1024) {  // only the largest tuning shapes (16 warps, M > 16, 2 row tiles)
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem));

@@ -73,12 +73,14 @@ def test_fused_skinny_gemm_rows_do_not_depend_on_m(mode):
         assert torch.equal(part, full[:m]), f"{mode} m={m}"
 
 
-@pytest.mark.parametrize("m", [17, 40, 256])
+@pytest.mark.parametrize("m", [17, 40, 100, 256])
 @pytest.mark.parametrize("n,k", [(1024, 1024), (5000, 1024), (24, 64)])
 @pytest.mark.parametrize("out_f32", [False, True])
 def test_one_launch_of_many_rows_equals_its_16_row_slices(m, n, k, out_f32):
-    """More than 16 rows run in one launch (slices of 16 inside it): every row has the bits of the
-    launch of its slice alone, and of a launch of that row alone."""
+    """More than 16 rows run in one launch (slices of 16 inside it, 2 or 4 slices per CTA: 2 with
+    the 16-warp CTAs of N = 1024 and 24, 4 with the 8-warp CTAs of N = 5000 from 3 slices on; 40 and
+    100 rows leave the last CTA of each w tile a slice short): every row has the bits of the launch
+    of its slice alone, and of a launch of that row alone."""
     K = kernel_ops()
     x = bf16_randn(m, k, seed=7)
     w = bf16_randn(n, k, seed=8, scale=0.05)
@@ -100,11 +102,14 @@ def test_one_launch_of_many_rows_equals_its_16_row_slices(m, n, k, out_f32):
     assert ((full.double() - want).abs() <= tol + 1e-3).all()
 
 
-@pytest.mark.parametrize("m", [20, 256])
+@pytest.mark.parametrize("m", [20, 72, 256])
+@pytest.mark.parametrize("n", [1024, 5000])
 @pytest.mark.parametrize("mode", ["rms_norm", "silu_mul", "plain"])
-def test_one_fused_launch_of_many_rows_equals_its_16_row_slices(mode, m):
+def test_one_fused_launch_of_many_rows_equals_its_16_row_slices(mode, n, m):
+    """As above for the fused forms; the plain input with the residual add runs 2 (N = 1024) or 4
+    (N = 5000) slices per CTA, the staged inputs one."""
     K = kernel_ops()
-    n, k = 1024, 1024
+    k = 1024
     inp = bf16_randn(m, 2 * k if mode == "silu_mul" else k, seed=9)
     w = bf16_randn(n, k, seed=10, scale=0.05)
     gamma = bf16_randn(k, seed=11, scale=0.1) + 1 if mode == "rms_norm" else None
