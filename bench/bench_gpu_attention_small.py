@@ -46,7 +46,11 @@ from gpu_common import cuda_kernel_totals, graph_time, run_record, write_json  #
 
 GEOMETRIES = {"qwen3_8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # query heads, KV heads, head_dim
 BS = 16
-IMPLS = ("triton", "cuda", "cuda_tc", "cuda_staged", "rope_pair", "cuda_rope", "cuda_staged_rope")
+IMPLS = ("triton", "cuda", "cuda_tc", "cuda_staged", "rope_pair", "cuda_rope", "cuda_staged_rope", "triton_prefill",
+         "triton_chunked")
+# The batch-invariant attention of deterministic sessions: the chunked kernel (its own choice of
+# split, and forced to fold in the kernel), beside the prefill kernel it replaced there.
+INVARIANT_IMPLS = {"triton_prefill": 1, "triton_chunked": 3}  # force_variant
 ROPE_IMPLS = ("rope_pair", "cuda_rope", "cuda_staged_rope")
 
 
@@ -79,7 +83,11 @@ def case(testing, torch, impl, batch, qlen, ctx, splits, max_kv_len, reps, geome
     # the CUDA backend's workspace size, or what a forced split count needs
     need = testing.triton_paged_attention_workspace_bytes(t, NH, HD, max(splits, 1))
     ws = torch.empty(max(64 << 20, need), device="cuda", dtype=torch.uint8)
-    if impl == "triton":
+    if impl in INVARIANT_IMPLS:
+        def call_on(stream):
+            return testing.triton_paged_attention(q, kp, vp, o, qs, kl, bt, True, 0, qlen, max_kv_len, ws,
+                                                  INVARIANT_IMPLS[impl], splits, stream, synchronize=False)[1]
+    elif impl == "triton":
         def call_on(stream):
             return testing.triton_paged_attention(q, kp, vp, o, qs, kl, bt, True, 0, qlen, max_kv_len, ws, 2, splits,
                                                   stream, synchronize=False)[1]
@@ -178,7 +186,8 @@ def parse_args(argv=None):
 def plan(args):
     """The (impl, batch, qlen, ctx, forced splits, max_kv_len) cases of a run, in order: per
     point every implementation with its own split count (from the exact max_kv_len and from a
-    captured graph's 4096 + 16) and the forced ones (--splits; Triton: --triton-splits). The
+    captured graph's 4096 + 16) and the forced ones (--splits; Triton: --triton-splits; the chunked
+    kernel: folded in the kernel; the prefill kernel: none, it does not split). The
     tensor-core, staged and RoPE variants are timed at query length 1 only (the verify rows go to
     tensor cores anyway)."""
     out = []
@@ -188,7 +197,8 @@ def plan(args):
                 for impl in args.impls:
                     if qlen != 1 and impl in ("cuda_tc", "cuda_staged") + ROPE_IMPLS:
                         continue
-                    forced = tuple(args.triton_splits if impl == "triton" else args.splits)
+                    forced = tuple(args.triton_splits if impl == "triton" else (1,) if impl == "triton_chunked"
+                                   else () if impl == "triton_prefill" else args.splits)
                     for splits in (0,) + forced:  # 0: the implementation's own choice from max_kv_len
                         for max_kv in ((ctx, 4096 + 16) if splits == 0 else (ctx,)):
                             out.append((impl, batch, qlen, ctx, splits, max_kv))

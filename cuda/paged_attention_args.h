@@ -15,6 +15,10 @@ enum class PagedAttentionVariant : int32_t {
   kAuto = 0,     // choose (the default)
   kPrefill = 1,  // any number of queries per sequence
   kDecode = 2,   // max_query_len * (num_heads / num_kv_heads) <= 64, optionally split-KV
+  // Batch-invariant (deterministic sessions): any number of queries per sequence, keys in chunks
+  // at fixed positions folded in order, so a row's bits depend on its own query and keys only;
+  // split over the chunks (a fold launch after it) where that pays and the workspace holds them.
+  kChunked = 3,
 };
 
 struct PagedAttentionArgs {
@@ -52,7 +56,8 @@ struct PagedAttentionArgs {
   // num_kv_heads], zeroed once by the owner (the kernel leaves them zero); null: one split.
   int32_t* counters = nullptr;
   int64_t counter_slots = 0;
-  // Testing and tuning: force a Triton variant, or a split count (0 = choose).
+  // Testing and tuning: force a Triton variant, or a split count (0 = choose; kChunked: 1 folds in
+  // the kernel, > 1 splits over every key chunk, whatever the count).
   PagedAttentionVariant force_variant = PagedAttentionVariant::kAuto;
   int32_t force_splits = 0;
   // Testing and tuning: the CUDA decode kernel's tensor-core variant for every row count, not only

@@ -55,10 +55,26 @@ _REDUCE_PARAMS = (
     ("workspace_ptr", _F32P), ("out_ptr", _BF16),
     ("num_tokens", "i32"), ("num_heads", "i32"), ("num_splits", "i32"),
 )
+_CHUNKED_PARAMS = (
+    ("q_ptr", _BF16), ("k_pool_ptr", _BF16), ("v_pool_ptr", _BF16), ("out_ptr", _BF16),
+    ("workspace_ptr", _F32P),
+    ("query_start_ptr", _I32P), ("kv_len_ptr", _I32P), ("block_table_ptr", _I32P),
+    ("scale", "fp32"),
+    ("num_tokens", "i32"), ("num_seqs", "i32"), ("num_heads", "i32"), ("num_kv_heads", "i32"),
+    ("block_size", "i32"), ("max_blocks_per_seq", "i32"), ("causal", "i32"), ("window", "i32"),
+    ("symmetric", "i32"), ("split", "i32"),
+)
+_FOLD_PARAMS = (
+    ("workspace_ptr", _F32P), ("out_ptr", _BF16),
+    ("num_tokens", "i32"), ("num_heads", "i32"), ("num_chunks", "i32"),
+)
 _ATTN_ALIGNED = ("q_ptr", "k_pool_ptr", "v_pool_ptr", "out_ptr")
 
 # Split-KV: the reduce kernel combines at most this many partials per row.
 MAX_SPLITS = 32
+# The batch-invariant kernel's key chunk (keys per chunk, at fixed positions; a multiple of its
+# BLOCK_N): a row's bits depend on it, so every launch of a deterministic session uses this one.
+KEY_CHUNK = 256
 
 
 def _prefill(head_dim: int, block_m: int, block_n: int, num_warps: int,
@@ -112,6 +128,39 @@ def _reduce(head_dim: int) -> KernelSpec:
     )
 
 
+def _chunked(head_dim: int, num_warps: int) -> KernelSpec:
+    return KernelSpec(
+        name=f"paged_attention_chunked_hd{head_dim}",
+        source="paged_attention.py",
+        fn="paged_attention_chunked_kernel",
+        params=_CHUNKED_PARAMS,
+        constexprs={"HEAD_DIM": head_dim, "BLOCK_M": 64, "BLOCK_N": 64, "KEY_CHUNK": KEY_CHUNK},
+        num_warps=num_warps,
+        num_stages=2,
+        aligned=_ATTN_ALIGNED + ("workspace_ptr",),
+        doc="batch-invariant, any number of queries per sequence; grid (T / (BLOCK_M / group) + "
+            "num_seqs, num_kv_heads, key chunks when split else 1)",
+        # As the prefill kernel (masked and unmasked loops round alike), and the chunk folds of
+        # this kernel and of the fold kernel must round alike too.
+        fp_fusion=False,
+    )
+
+
+def _chunk_fold(head_dim: int) -> KernelSpec:
+    return KernelSpec(
+        name=f"paged_attention_chunk_fold_hd{head_dim}",
+        source="paged_attention.py",
+        fn="paged_attention_chunk_fold_kernel",
+        params=_FOLD_PARAMS,
+        constexprs={"HEAD_DIM": head_dim},
+        num_warps=1,
+        num_stages=1,
+        aligned=("workspace_ptr", "out_ptr"),
+        doc="folds the chunked kernel's split partials in chunk order; grid (T, num_heads)",
+        fp_fusion=False,
+    )
+
+
 # Tiles, warps and stages from a sweep on an H200 (triton 3.6.0, JIT without value
 # specialisation, do_bench). Prefill 4k causal: hd128 32/8 BLOCK 128x128 w8 480-486 us vs
 # 128x64 w8 541 us; hd64 9/3 64x64 w4 111 us vs 128x64 w4 125 us. Decode hd128 32/8 (m16):
@@ -127,6 +176,10 @@ KERNELS: tuple[KernelSpec, ...] = (
     _decode(128, 64, block_n=64, num_warps=4),
     _reduce(64),
     _reduce(128),
+    _chunked(64, num_warps=4),
+    _chunked(128, num_warps=8),
+    _chunk_fold(64),
+    _chunk_fold(128),
 )
 
 # DFlash2's lattice walk (lattice_walk.py): one program of one warp per request, K <= BLOCK_K

@@ -31,6 +31,18 @@ Kernels:
       (row max m, row sum l, unnormalised acc) in fp32 to the workspace for
   paged_attention_split_reduce_kernel grid (T, num_heads): out = sum_p 2^(m_p - M) acc_p /
       sum_p 2^(m_p - M) l_p.
+  paged_attention_chunked_kernel      the batch-invariant kernel (deterministic=True): the
+      prefill kernel's tiles and grid, with a row's keys cut in chunks of KEY_CHUNK keys at fixed
+      positions (chunk p: keys [p KEY_CHUNK, (p + 1) KEY_CHUNK)), each chunk's softmax computed
+      from scratch and the chunks folded in increasing order (_fold). With split == 0 a program
+      folds its tile's chunks itself; with split != 0 the grid has a third axis over the chunks,
+      program p writes chunk p's partial to the workspace (as the decode kernel does), and
+  paged_attention_chunk_fold_kernel   grid (T, num_heads) folds the partials of chunks
+      0, 1, ... in the same order with the same operations. A chunk that holds no key a row sees
+      has m = -inf, l = 0, acc = 0, and folding it changes nothing (exactly), so a row gets the same
+      bits from either launch, whatever its tile's other rows, the number of chunks of the launch
+      or the split: decode, verify and prefill rows of a position agree, and the host may split a
+      launch over its chunks (many programs for few rows and many keys) or not by shape alone.
 
 Workspace (fp32) of a split launch: acc [num_splits, T, num_heads, HEAD_DIM], then
 ml [num_splits, T, num_heads, 2] (m in log2 units of the scaled scores, l).
@@ -150,20 +162,11 @@ def _key_ranges(kv_len, qp_first, qp_last, causal, window, symmetric, BLOCK_N: t
 
 
 @triton.jit
-def paged_attention_prefill_kernel(
-        q_ptr, k_pool_ptr, v_pool_ptr, out_ptr,  # bf16
-        query_start_ptr, kv_len_ptr, block_table_ptr,  # int32
-        scale,  # fp32
-        num_seqs, num_heads, num_kv_heads, block_size, max_blocks_per_seq, causal, window,  # i32
-        symmetric,  # i32: != 0 (only with window > 0, causal 0): |q_pos - j| < window
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    gdc_wait()  # programmatic dependent launch: the kernel ahead has finished writing q and K/V
-    gdc_launch_dependents()
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    group = num_heads // num_kv_heads
-    q_per_tile = BLOCK_M // group
-
+def _find_tile(tile, query_start_ptr, num_seqs, q_per_tile):
+    """The query tile with index `tile` of the prefill grid: its sequence, the sequence's first
+    query row and query count, the tile's first query (a sequence's tiles run last query tile
+    first, so the causal tiles with the most keys start first), and the index among the sequence's
+    tiles and their number (an index in the gaps between sequences has local >= num_tiles)."""
     # The sequence owning this tile: the last s with query_start[s] // q_per_tile + s <= tile.
     lo: tl.int32 = 0
     hi = num_seqs
@@ -179,9 +182,44 @@ def paged_attention_prefill_kernel(
     num_q = tl.load(query_start_ptr + seq + 1) - q_begin
     local = tile - (q_begin // q_per_tile + seq)
     num_tiles = tl.cdiv(num_q, q_per_tile)
+    q0 = (num_tiles - 1 - local) * q_per_tile
+    return seq, q_begin, num_q, q0, local, num_tiles
+
+
+@triton.jit
+def _fold(acc_all, m_all, l_all, acc, m, l):
+    """Folds one key chunk's partial (acc [R, D], m [R], l [R]: m in log2 units of the scaled
+    scores) into the running (acc_all, m_all, l_all). Elementwise only, so the chunked kernel's
+    tiles and the fold kernel's single rows compute a row the same way (both without FMA
+    contraction). A partial with m = -inf, l = 0, acc = 0 leaves the state unchanged, bit for
+    bit."""
+    m_new = tl.maximum(m_all, m)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_all - m_ref)
+    beta = tl.math.exp2(m - m_ref)
+    l_all = l_all * alpha + l * beta
+    acc_all = acc_all * alpha[:, None] + acc * beta[:, None]
+    return acc_all, m_new, l_all
+
+
+@triton.jit
+def paged_attention_prefill_kernel(
+        q_ptr, k_pool_ptr, v_pool_ptr, out_ptr,  # bf16
+        query_start_ptr, kv_len_ptr, block_table_ptr,  # int32
+        scale,  # fp32
+        num_seqs, num_heads, num_kv_heads, block_size, max_blocks_per_seq, causal, window,  # i32
+        symmetric,  # i32: != 0 (only with window > 0, causal 0): |q_pos - j| < window
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    gdc_wait()  # programmatic dependent launch: the kernel ahead has finished writing q and K/V
+    gdc_launch_dependents()
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    group = num_heads // num_kv_heads
+    q_per_tile = BLOCK_M // group
+    seq, q_begin, num_q, q0, local, num_tiles = _find_tile(tile, query_start_ptr, num_seqs,
+                                                           q_per_tile)
     if local >= num_tiles:
         return
-    q0 = (num_tiles - 1 - local) * q_per_tile  # last queries (most keys) first
     kv_len = tl.load(kv_len_ptr + seq)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -308,3 +346,113 @@ def paged_attention_split_reduce_kernel(
     out = num / tl.where(denom == 0.0, 1.0, denom)
     out_off = (tok.to(tl.int64) * num_heads + head) * HEAD_DIM
     tl.store(out_ptr + out_off + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def paged_attention_chunked_kernel(
+        q_ptr, k_pool_ptr, v_pool_ptr, out_ptr,  # bf16
+        workspace_ptr,  # fp32, used when split != 0
+        query_start_ptr, kv_len_ptr, block_table_ptr,  # int32
+        scale,  # fp32
+        num_tokens, num_seqs, num_heads, num_kv_heads, block_size, max_blocks_per_seq,  # i32
+        causal, window, symmetric,  # i32: as in paged_attention_prefill_kernel
+        split,  # i32: != 0: program_id(2) is a key chunk, its partial goes to the workspace
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        KEY_CHUNK: tl.constexpr):
+    gdc_wait()
+    gdc_launch_dependents()
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    group = num_heads // num_kv_heads
+    q_per_tile = BLOCK_M // group
+    seq, q_begin, num_q, q0, local, num_tiles = _find_tile(tile, query_start_ptr, num_seqs,
+                                                           q_per_tile)
+    if local >= num_tiles:
+        return
+    kv_len = tl.load(kv_len_ptr + seq)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    qi = q0 + offs_m // group
+    row_ok = (offs_m < q_per_tile * group) & (qi < num_q)
+    q_pos = kv_len - num_q + qi
+    head = kv_head * group + offs_m % group
+    tok = q_begin + qi
+    row_off = tok.to(tl.int64) * (num_heads * HEAD_DIM) + head * HEAD_DIM
+    q = tl.load(q_ptr + row_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    qp_first = kv_len - num_q + q0
+    qp_last = kv_len - num_q + tl.minimum(q0 + q_per_tile, num_q) - 1
+    lo, hi, full_lo, full_hi = _key_ranges(kv_len, qp_first, qp_last, causal, window, symmetric,
+                                           BLOCK_N)
+    slot_stride = num_kv_heads * HEAD_DIM
+    k_ptr = k_pool_ptr + kv_head * HEAD_DIM
+    v_ptr = v_pool_ptr + kv_head * HEAD_DIM
+    table_ptr = block_table_ptr + seq.to(tl.int64) * max_blocks_per_seq
+    qk_scale = scale * LOG2E
+
+    if split != 0:
+        # Chunk p of this tile's key range (empty outside it: m = -inf, l = 0, acc = 0).
+        p = tl.program_id(2)
+        num_chunks = tl.num_programs(2)
+        c0 = tl.minimum(tl.maximum(lo, p * KEY_CHUNK), hi)
+        c1 = tl.maximum(tl.minimum(hi, (p + 1) * KEY_CHUNK), c0)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc, m_i, l_i = _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, c0, c1, full_lo,
+                                     full_hi, kv_len, q_pos, causal, window, symmetric,
+                                     block_size, slot_stride, qk_scale, HEAD_DIM, BLOCK_N)
+        part = (p * num_tokens + tok).to(tl.int64) * num_heads + head  # [BLOCK_M]
+        tl.store(workspace_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_ok[:, None])
+        ml_ptr = workspace_ptr + num_chunks.to(tl.int64) * num_tokens * num_heads * HEAD_DIM
+        tl.store(ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        acc_all = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for p in range(lo // KEY_CHUNK, tl.cdiv(hi, KEY_CHUNK)):
+            c0 = tl.maximum(lo, p * KEY_CHUNK)
+            c1 = tl.minimum(hi, (p + 1) * KEY_CHUNK)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc, m_i, l_i = _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, c0, c1,
+                                         full_lo, full_hi, kv_len, q_pos, causal, window,
+                                         symmetric, block_size, slot_stride, qk_scale, HEAD_DIM,
+                                         BLOCK_N)
+            acc_all, m_all, l_all = _fold(acc_all, m_all, l_all, acc, m_i, l_i)
+        l_safe = tl.where(l_all == 0.0, 1.0, l_all)
+        out = acc_all / l_safe[:, None]
+        tl.store(out_ptr + row_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+@triton.jit
+def paged_attention_chunk_fold_kernel(
+        workspace_ptr,  # fp32, written by paged_attention_chunked_kernel with split != 0
+        out_ptr,  # bf16 [T, num_heads, HEAD_DIM]
+        num_tokens, num_heads, num_chunks,  # i32
+        HEAD_DIM: tl.constexpr):
+    gdc_wait()
+    gdc_launch_dependents()
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    one = tl.zeros([1], dtype=tl.int64)
+    ml_ptr = workspace_ptr + num_chunks.to(tl.int64) * num_tokens * num_heads * HEAD_DIM
+    acc_all = tl.zeros([1, HEAD_DIM], dtype=tl.float32)
+    m_all = tl.full([1], float("-inf"), dtype=tl.float32)
+    l_all = tl.zeros([1], dtype=tl.float32)
+    for p in range(0, num_chunks):
+        part = (p * num_tokens + tok).to(tl.int64) * num_heads + head + one  # [1]
+        m = tl.load(ml_ptr + part * 2)
+        l = tl.load(ml_ptr + part * 2 + 1)
+        acc = tl.load(workspace_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])
+        acc_all, m_all, l_all = _fold(acc_all, m_all, l_all, acc, m, l)
+    l_safe = tl.where(l_all == 0.0, 1.0, l_all)
+    out = acc_all / l_safe[:, None]
+    out_off = (tok.to(tl.int64) * num_heads + head) * HEAD_DIM + one
+    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty))

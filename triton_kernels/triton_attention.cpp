@@ -40,6 +40,15 @@ struct ReduceKernel {
   int id;
   ReduceLaunch launch;
 };
+using ChunkedLaunch = CUresult (*)(CUfunction, CUstream, unsigned, unsigned, unsigned, CUdeviceptr,
+                                   CUdeviceptr, CUdeviceptr, CUdeviceptr, CUdeviceptr,
+                                   CUdeviceptr, CUdeviceptr, CUdeviceptr, float, int32_t, int32_t,
+                                   int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, int32_t,
+                                   int32_t);
+struct ChunkedKernel {
+  int id, block_m;
+  ChunkedLaunch launch;
+};
 
 // Decode tiles: the smallest one holding max_query_len * group rows.
 constexpr int kDecodeSmallM = g::paged_attention_decode_hd64_m16::kBlockM;
@@ -61,6 +70,11 @@ static_assert(g::paged_attention_split_reduce_hd128::kMaxSplits == kMaxSplits, "
 // context 4096, one query: 86 us in 3 splits vs 159 us unsplit).
 constexpr int64_t kMinKeysPerSplit = 64;
 constexpr int kCtasPerSm = 2;
+
+// The batch-invariant kernel: its key chunk, and the programs below which a launch with more than
+// one chunk is split over its chunks (decode and verify steps: a few tiles, many keys each).
+constexpr int64_t kKeyChunk = g::paged_attention_chunked_hd64::kKeyChunk;
+static_assert(g::paged_attention_chunked_hd128::kKeyChunk == kKeyChunk, "key chunks differ between head dims");
 
 PrefillKernel prefill_kernel(int head_dim) {
   if (head_dim == 64) {
@@ -94,6 +108,24 @@ ReduceKernel reduce_kernel(int head_dim) {
     return {k::kId, &k::launch};
   }
   namespace k = g::paged_attention_split_reduce_hd128;
+  return {k::kId, &k::launch};
+}
+
+ChunkedKernel chunked_kernel(int head_dim) {
+  if (head_dim == 64) {
+    namespace k = g::paged_attention_chunked_hd64;
+    return {k::kId, k::kBlockM, &k::launch};
+  }
+  namespace k = g::paged_attention_chunked_hd128;
+  return {k::kId, k::kBlockM, &k::launch};
+}
+
+ReduceKernel fold_kernel(int head_dim) {
+  if (head_dim == 64) {
+    namespace k = g::paged_attention_chunk_fold_hd64;
+    return {k::kId, &k::launch};
+  }
+  namespace k = g::paged_attention_chunk_fold_hd128;
   return {k::kId, &k::launch};
 }
 
@@ -274,8 +306,35 @@ const char* paged_attention_plan(const Modules& m, const PagedAttentionArgs& a,
     plan->grid[2] = static_cast<unsigned>(splits);
     return nullptr;
   }
+  if (variant == PagedAttentionVariant::kChunked) {
+    const ChunkedKernel chunked = chunked_kernel(a.head_dim);
+    if (group > chunked.block_m) return "too many query heads per KV head for the chunked tile";
+    const int q_per_tile = chunked.block_m / group;
+    plan->variant = variant;
+    plan->block_m = chunked.block_m;
+    plan->grid[0] = static_cast<unsigned>(a.num_tokens / q_per_tile + a.num_seqs);
+    plan->grid[1] = static_cast<unsigned>(a.num_kv_heads);
+    // Split over the chunks of max_kv_len when there are several, the unsplit grid leaves most
+    // SMs idle and the workspace holds a partial per chunk (a row's bits are the same either way).
+    const int64_t chunks = std::max<int64_t>(1, (int64_t{std::max(a.max_kv_len, 0)} + kKeyChunk - 1) / kKeyChunk);
+    const size_t per_chunk = split_bytes(a.num_tokens, a.num_heads, a.head_dim);
+    const bool fits = a.workspace != nullptr && aligned16(a.workspace) && per_chunk > 0 &&
+                      static_cast<size_t>(chunks) <= a.workspace_bytes / per_chunk && chunks <= 65535;
+    bool split = chunks >= 2 && fits && int64_t{plan->grid[0]} * plan->grid[1] < m.num_sms();
+    if (a.force_splits == 1) split = false;
+    if (a.force_splits > 1) {
+      if (!fits) {
+        return "a split chunked launch needs a 16-byte aligned workspace of "
+               "paged_attention_workspace_bytes(num_tokens, num_heads, head_dim, chunks of max_kv_len)";
+      }
+      split = true;
+    }
+    plan->num_splits = split ? static_cast<int32_t>(chunks) : 1;
+    plan->grid[2] = static_cast<unsigned>(plan->num_splits);
+    return nullptr;
+  }
   if (variant != PagedAttentionVariant::kPrefill) return "unknown force_variant";
-  if (a.force_splits > 1) return "split-KV is implemented by the decode variant only";
+  if (a.force_splits > 1) return "split-KV is implemented by the decode and chunked variants only";
   const int q_per_tile = prefill.block_m / group;
   plan->variant = variant;
   plan->block_m = prefill.block_m;
@@ -302,6 +361,21 @@ CUresult paged_attention(const Modules& m, cudaStream_t stream, const PagedAtten
                     dptr(a.kv_len), dptr(a.block_table), scale, a.num_seqs, a.num_heads,
                     a.num_kv_heads, a.block_size, a.max_blocks_per_seq, causal, a.window,
                     symmetric);
+  }
+  if (plan.variant == PagedAttentionVariant::kChunked) {
+    const ChunkedKernel k = chunked_kernel(a.head_dim);
+    const bool split = plan.num_splits > 1;
+    const CUdeviceptr workspace = split ? dptr(a.workspace) : 0;
+    CUresult r = k.launch(m.function(k.id), s, plan.grid[0], plan.grid[1], plan.grid[2], dptr(a.q),
+                          dptr(a.k_pool), dptr(a.v_pool), dptr(a.out), workspace, dptr(a.query_start),
+                          dptr(a.kv_len), dptr(a.block_table), scale, a.num_tokens, a.num_seqs,
+                          a.num_heads, a.num_kv_heads, a.block_size, a.max_blocks_per_seq, causal,
+                          a.window, symmetric, split ? 1 : 0);
+    if (r != CUDA_SUCCESS || !split) return r;
+    const ReduceKernel fold = fold_kernel(a.head_dim);
+    return fold.launch(m.function(fold.id), s, static_cast<unsigned>(a.num_tokens),
+                       static_cast<unsigned>(a.num_heads), 1, workspace, dptr(a.out), a.num_tokens,
+                       a.num_heads, plan.num_splits);
   }
   const DecodeKernel k = decode_kernel(a.head_dim, plan.block_m);
   const CUdeviceptr workspace = plan.num_splits > 1 ? dptr(a.workspace) : 0;

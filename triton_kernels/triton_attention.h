@@ -20,9 +20,11 @@ namespace triton_aot {
 
 // What paged_attention() will launch for given arguments.
 struct PagedAttentionPlan {
-  PagedAttentionVariant variant = PagedAttentionVariant::kAuto;  // kPrefill or kDecode
+  PagedAttentionVariant variant = PagedAttentionVariant::kAuto;  // kPrefill, kDecode or kChunked
   int32_t block_m = 0;     // query rows (query x head of a group) per CTA
-  int32_t num_splits = 1;  // decode: KV splits per (sequence, kv head); > 1 adds a reduce launch
+  // decode: KV splits per (sequence, kv head), > 1 adds a reduce launch; chunked: the key chunks
+  // of max_kv_len when split over them (a fold launch after it), else 1
+  int32_t num_splits = 1;
   unsigned grid[3] = {0, 0, 0};  // of the attention kernel (all 0: nothing to do)
 };
 

@@ -51,6 +51,8 @@ const char* variant_name(PagedAttentionVariant v) {
       return "prefill";
     case PagedAttentionVariant::kDecode:
       return "decode";
+    case PagedAttentionVariant::kChunked:
+      return "chunked";
     default:
       return "none";
   }
@@ -67,8 +69,8 @@ nb::tuple triton_paged_attention(const CudaArray& q, const CudaArray& k_pool,
   PagedAttentionArgs a = dflash::testing_bindings::paged_attention_args(
       q, k_pool, v_pool, out, query_start, kv_len, block_table, causal, window, symmetric_window, max_query_len,
       max_kv_len, workspace, force_splits);
-  DFLASH_ARG_CHECK(force_variant >= 0 && force_variant <= 2,
-                   "force_variant: 0 auto, 1 prefill, 2 decode");
+  DFLASH_ARG_CHECK(force_variant >= 0 && force_variant <= 3,
+                   "force_variant: 0 auto, 1 prefill, 2 decode, 3 chunked (batch-invariant)");
   a.force_variant = static_cast<PagedAttentionVariant>(force_variant);
 
   const dflash::triton_aot::Modules& modules = test_modules();

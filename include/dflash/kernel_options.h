@@ -52,8 +52,9 @@ struct KernelOptions {
   // only, never on the number of rows, the batch or the kind of step, so a position's logits
   // have the same bits decoded alone, in a batch, in a speculative verify step or in a prefill:
   // speculative greedy output equals target-only greedy output token for token. Slower (linear
-  // layers in launches of 16 rows on the skinny kernel, no cuBLASLt; attention on one Triton
-  // kernel without split-KV). The CPU backend does not implement it (an error).
+  // layers in launches of 16-row slices on the skinny kernel, no cuBLASLt; attention on one
+  // Triton kernel that folds key chunks at fixed positions in order, split over the chunks at
+  // small batch). The CPU backend does not implement it (an error).
   bool batch_invariant = false;
 };
 

@@ -9,9 +9,10 @@
 # in a batch with other requests, a row of a prefill, or a row of a chunked prefill; and greedy
 # speculative decoding (DFlash drafter, CUDA graphs) emits exactly the target-only greedy tokens,
 # batched and alone. The long-context tests put positions past several key tiles of the attention
-# kernel (BLOCK_N 64 at head_dim 64, 128 at head_dim 128), where a row's key tile takes the masked
-# or the unmasked loop depending on the other queries of its launch; that is where the SmolLM2 pair
-# first diverged (25/32 GSM8K prompts identical before the prefill kernel lost its FMA contraction).
+# kernel (BLOCK_N 64 in chunks of 256 keys), where a row's key tile takes the masked or the
+# unmasked loop depending on the other queries of its launch (that is where the SmolLM2 pair
+# first diverged: 25/32 GSM8K prompts identical before the attention kernel lost its FMA
+# contraction) and a decode row's launch is split over the key chunks while a prefill's is not.
 # Skipped without a usable Hopper GPU.
 from __future__ import annotations
 
@@ -264,12 +265,13 @@ def test_speculative_greedy_equals_target_only_greedy(which, lengths, max_tokens
 
 @pytest.mark.parametrize("which", ["hd64", "hd128"])
 def test_positions_past_many_key_tiles_keep_their_bits(which, invariant_model, invariant_model_hd64):
-    """Positions 0..289 cross the 64- and 128-key tiles several times: a decode row alone (one
-    query in its launch), the same position as a row of a 290-row prefill (its tile's first query
-    up to 63 positions earlier) and as a row of 16-token prefill chunks get the same bits."""
+    """Positions 0..619 cross the 64-key tiles and the 256-key chunks of the attention kernel several
+    times: a decode row alone (one query in its launch, split over its 3 key chunks), the same
+    position as a row of a 620-row prefill (its tile's first query up to 63 positions earlier,
+    the chunks folded in the kernel) and as a row of 16-token prefill chunks get the same bits."""
     model = invariant_model_hd64 if which == "hd64" else invariant_model
     rng = np.random.default_rng(2)
-    prompt = [int(t) for t in rng.integers(3, 5000, size=230)]
+    prompt = [int(t) for t in rng.integers(3, 5000, size=560)]
     forced = [int(t) for t in rng.integers(3, 5000, size=60)]
     n = len(prompt) + len(forced)
     s = _session(model)

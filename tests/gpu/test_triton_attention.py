@@ -244,32 +244,106 @@ def test_long_context_split_kv(nh, nkv, hd, batch, kind, mode):
     assert_matches(out, ref, "no split")
 
 
-@pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (9, 3, 64)])
-@pytest.mark.parametrize("nq", [8, 80])
-def test_prefill_rows_do_not_depend_on_the_other_queries(nh, nkv, hd, nq):
-    """The prefill variant is the batch-invariant attention (deterministic=True): a query's output
-    bits must be the same whether it is the only query of its sequence or one row of a verify
-    block / prefill whose first query sits in an earlier key tile (that changes which loop, masked
-    or not, handles the row's keys). Positions 250..329 cross the 256- and 320-key tile edges."""
+CHUNKED = 3  # force_variant of the batch-invariant kernel (key chunks at fixed positions)
+KEY_CHUNK = 256  # its chunk (triton_kernels/manifest.py)
+
+
+def chunk_workspace(num_tokens, nh, hd, kv_len):
+    """Workspace for a chunked launch split over every key chunk of kv_len."""
     import torch
 
-    kv_len = 330
-    b = Batch([kv_len], [nq], nh, nkv, hd, seed=nq)
-    full, (variant, _, _) = b.run(True, 0, force_variant=1)
-    assert variant == "prefill"
+    chunks = max(1, -(-kv_len // KEY_CHUNK))
+    return torch.empty(num_tokens * nh * (hd + 2) * 4 * chunks, dtype=torch.uint8, device="cuda")
+
+
+# (variant, force_splits, workspace?): the prefill kernel; the chunked kernel folding in the kernel
+# and split over its chunks (the fold kernel).
+INVARIANT_LAUNCHES = {"prefill": (1, 0, False), "chunked_inline": (CHUNKED, 1, False),
+                      "chunked_split": (CHUNKED, 2, True)}
+
+
+@pytest.mark.parametrize("launch", list(INVARIANT_LAUNCHES))
+@pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("nq,kv_len", [(8, 330), (80, 330), (16, 600), (90, 1100)])
+def test_rows_do_not_depend_on_the_other_queries(nh, nkv, hd, nq, kv_len, launch):
+    """The batch-invariant launches: a query's output bits must be the same whether it is the only
+    query of its sequence or one row of a verify block / prefill whose first query sits in an
+    earlier key tile (that changes which loop, masked or not, handles the row's keys) or, for the
+    chunked kernel, an earlier key chunk (a row folds chunks its tile has and it does not see),
+    and whether or not the launch is split over its chunks (the decode launches of one query split
+    when there are several chunks, row blocks of 64 do not: both are compared with the forced
+    form). Positions 250..329 cross the 256- and 320-key tile edges, 584..599 and 1010..1099 the
+    512- and 1024-key chunk edges."""
+    import torch
+
+    variant, force_splits, split = INVARIANT_LAUNCHES[launch]
+    b = Batch([kv_len], [nq], nh, nkv, hd, seed=nq + kv_len)
+    ws = chunk_workspace(nq, nh, hd, kv_len) if split else None
+    full, (name, splits, _) = b.run(True, 0, force_variant=variant, force_splits=force_splits, workspace=ws)
+    assert name == ("prefill" if variant == 1 else "chunked")
+    assert splits == (max(1, -(-kv_len // KEY_CHUNK)) if split else 1)
+    assert_matches(full, b.reference(True, 0), launch)
     testing = _testing()
     for i in range(nq):
         q = b.q_dev[i:i + 1].contiguous()
-        out = torch.full_like(q, float("nan"))
         n = kv_len - nq + i + 1  # this query alone: its sequence ends at its own position
+        # Alone: the launch the deterministic session makes (the plan's choice), and the other form.
+        forms = [(variant, force_splits, ws)] + ([(CHUNKED, 0, chunk_workspace(1, nh, hd, n))] if variant == CHUNKED
+                                                 else [])
+        for v, fs, w in forms:
+            out = torch.full_like(q, float("nan"))
+            testing.triton_paged_attention(
+                q, b.k_pool, b.v_pool, out, torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+                torch.tensor([n], dtype=torch.int32, device="cuda"), b.table, True, 0, 1, n,
+                workspace=w if fs != 1 else None, force_variant=v, force_splits=fs,
+                stream=torch.cuda.current_stream().cuda_stream)
+            alone = out.float().cpu()
+            assert torch.equal(alone[0], full[i]), (
+                f"{launch}: query at position {n - 1} alone (force_splits {fs}) differs from row {i} of {nq} "
+                f"(max abs {(alone[0] - full[i]).abs().max().item():.3g})")
+
+
+CHUNK_MODES = {**{m: (*MODES[m], False) for m in MODES}, "symmetric": (False, 64, True)}
+
+
+@pytest.mark.parametrize("mode", list(CHUNK_MODES))
+@pytest.mark.parametrize("kind", ["decode", "verify", "chunked", "prefill"])
+@pytest.mark.parametrize("batch", list(BATCH_KV))
+@pytest.mark.parametrize("nh,nkv,hd", HEADS)
+def test_batch_invariant_kernel_matches_reference(nh, nkv, hd, batch, kind, mode):
+    """The chunked kernel against the reference, folding in the kernel and split over its chunks
+    (the same bits), and the plan's own choice; then each sequence of the batch alone has the bits
+    of its rows in the batch (other sequences, other lengths)."""
+    import torch
+
+    causal, window, symmetric = CHUNK_MODES[mode]
+    kv_lens = BATCH_KV[batch]
+    q_lens = [num_queries(kind, n) for n in kv_lens]
+    b = Batch(kv_lens, q_lens, nh, nkv, hd, seed=batch * 1000 + nh + hd + 1)
+    ref = b.reference(causal, window, symmetric=symmetric)
+    chunks = max(1, -(-max(kv_lens) // KEY_CHUNK))
+    inline, plan = b.run(causal, window, symmetric=symmetric, force_variant=CHUNKED, force_splits=1)
+    assert plan[:2] == ("chunked", 1)
+    assert_matches(inline, ref, f"chunked {mode}, folded in the kernel")
+    ws = chunk_workspace(sum(q_lens), nh, hd, max(kv_lens))
+    split, plan = b.run(causal, window, symmetric=symmetric, workspace=ws, force_variant=CHUNKED, force_splits=2)
+    assert plan[:2] == ("chunked", chunks)
+    assert torch.equal(split, inline), f"chunked {mode}: split over {chunks} chunks differs from the in-kernel fold"
+    chosen, plan = b.run(causal, window, symmetric=symmetric, workspace=ws, force_variant=CHUNKED)
+    assert plan[0] == "chunked" and torch.equal(chosen, inline), f"chunked {mode}: the plan's choice ({plan[1]})"
+    testing = _testing()
+    for s, (n, nq) in enumerate(zip(kv_lens, q_lens)):
+        if nq == 0 or len(kv_lens) == 1:
+            continue
+        rows = slice(b.starts[s], b.starts[s + 1])
+        q = b.q_dev[rows].contiguous()
+        out = torch.full_like(q, float("nan"))
         testing.triton_paged_attention(
-            q, b.k_pool, b.v_pool, out, torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
-            torch.tensor([n], dtype=torch.int32, device="cuda"), b.table, True, 0, 1, n,
-            force_variant=1, stream=torch.cuda.current_stream().cuda_stream)
-        alone = out.float().cpu()
-        assert torch.equal(alone[0], full[i]), (
-            f"query at position {n - 1}: alone differs from row {i} of {nq} "
-            f"(max abs {(alone[0] - full[i]).abs().max().item():.3g})")
+            q, b.k_pool, b.v_pool, out, torch.tensor([0, nq], dtype=torch.int32, device="cuda"),
+            torch.tensor([n], dtype=torch.int32, device="cuda"), b.table[s:s + 1].contiguous(), causal, window,
+            nq, n, force_variant=CHUNKED, force_splits=1, symmetric_window=symmetric,
+            stream=torch.cuda.current_stream().cuda_stream)
+        assert torch.equal(out.float().cpu(), inline[rows]), f"chunked {mode}: sequence {s} alone differs"
 
 
 @pytest.mark.parametrize("block_size", [8, 32, 64])

@@ -431,9 +431,10 @@ void CudaBackend::paged_attention(const Tensor& q, const KVPool& pool, int64_t l
                                   Tensor& out) {
   PagedAttentionArgs a = attention_args(q, pool, layer, meta, out);
   if (batch_invariant_) {
-    // One kernel for every query count (a row's keys in the same BLOCK_N tiles from key 0, no
-    // split-KV): decode, verify and prefill rows of a position get the same bits.
-    a.force_variant = PagedAttentionVariant::kPrefill;
+    // One kernel for every query count (a row's keys in the same BLOCK_N tiles within key chunks
+    // at fixed positions, folded in order; split over the chunks or not by the launch's shape):
+    // decode, verify and prefill rows of a position get the same bits.
+    a.force_variant = PagedAttentionVariant::kChunked;
   } else if (cuda_decode_attention_) {
     // few rows per (sequence, KV head): the CUDA decode kernels where routed (cuda_backend.h)
     a.force_tensor_cores = attention_tensor_cores_;

@@ -203,8 +203,9 @@ class CudaBackend final : public Backend {
   bool fused_layers_ = true;  // KernelOptions::fused_layers false: the layer ops compose the unfused kernels
   // KernelOptions::batch_invariant: every linear layer on the skinny kernel's batch-invariant
   // shape in slices of cuda::kBatchInvariantRows rows (no cuBLASLt), the fused forms only where
-  // a full slice fits, every attention on the Triton prefill kernel (one kernel for every query
-  // count, no split-KV): a row's bits do not depend on the other rows of the step.
+  // a full slice fits, every attention on the Triton chunked kernel (one kernel for every query
+  // count; key chunks at fixed positions folded in order, split over them or not): a row's bits
+  // do not depend on the other rows of the step.
   bool batch_invariant_ = false;
   std::string cublaslt_path_;  // KernelOptions::cublaslt_path
   std::unique_ptr<triton_aot::Modules> triton_;
