@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or im
                                 reason="needs triton and torch")
 
 HD, BLOCK_M, BLOCK_N, KEY_CHUNK = 32, 16, 16, 64  # small tiles: several tiles and chunks at short contexts
+FOLD_UNROLL = 2  # chunks the fold kernel loads at once (2: its loop runs several times here)
 BS = 8  # KV block size
 
 
@@ -147,7 +148,8 @@ class Batch:
         t, num_seqs = q.shape[0], len(kl)
         group = self.nh // self.nkv
         q_per_tile = BLOCK_M // group
-        chunks = max(1, -(-max(kl) // KEY_CHUNK))
+        # split: two chunks more than the keys need, as a CUDA graph's bound on kv_len gives
+        chunks = max(1, -(-max(kl) // KEY_CHUNK)) + (2 if split else 0)
         grid = (t // q_per_tile + num_seqs, self.nkv, chunks if split else 1)
         out = torch.full_like(q, float("nan"))
         ws = torch.zeros(chunks * t * self.nh * (HD + 2))
@@ -158,7 +160,8 @@ class Batch:
         pa.paged_attention_chunked_kernel[grid](*args, HEAD_DIM=HD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                                 KEY_CHUNK=KEY_CHUNK)
         if split:
-            pa.paged_attention_chunk_fold_kernel[(t, self.nh)](ws, out, t, self.nh, chunks, HEAD_DIM=HD)
+            pa.paged_attention_chunk_fold_kernel[(t, self.nh)](ws, out, args[5], args[6], t, num_seqs, self.nh, chunks,
+                                                               HEAD_DIM=HD, KEY_CHUNK=KEY_CHUNK, UNROLL=FOLD_UNROLL)
         return out
 
 

@@ -65,8 +65,8 @@ _CHUNKED_PARAMS = (
     ("symmetric", "i32"), ("split", "i32"),
 )
 _FOLD_PARAMS = (
-    ("workspace_ptr", _F32P), ("out_ptr", _BF16),
-    ("num_tokens", "i32"), ("num_heads", "i32"), ("num_chunks", "i32"),
+    ("workspace_ptr", _F32P), ("out_ptr", _BF16), ("query_start_ptr", _I32P), ("kv_len_ptr", _I32P),
+    ("num_tokens", "i32"), ("num_seqs", "i32"), ("num_heads", "i32"), ("num_chunks", "i32"),
 )
 _ATTN_ALIGNED = ("q_ptr", "k_pool_ptr", "v_pool_ptr", "out_ptr")
 
@@ -152,11 +152,12 @@ def _chunk_fold(head_dim: int) -> KernelSpec:
         source="paged_attention.py",
         fn="paged_attention_chunk_fold_kernel",
         params=_FOLD_PARAMS,
-        constexprs={"HEAD_DIM": head_dim},
+        constexprs={"HEAD_DIM": head_dim, "KEY_CHUNK": KEY_CHUNK, "UNROLL": 8},
         num_warps=1,
         num_stages=1,
         aligned=("workspace_ptr", "out_ptr"),
-        doc="folds the chunked kernel's split partials in chunk order; grid (T, num_heads)",
+        doc="folds the chunked kernel's split partials in chunk order, up to the token's kv_len; "
+            "grid (T, num_heads)",
         fp_fusion=False,
     )
 

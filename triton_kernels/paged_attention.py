@@ -191,8 +191,9 @@ def _fold(acc_all, m_all, l_all, acc, m, l):
     """Folds one key chunk's partial (acc [R, D], m [R], l [R]: m in log2 units of the scaled
     scores) into the running (acc_all, m_all, l_all). Elementwise only, so the chunked kernel's
     tiles and the fold kernel's single rows compute a row the same way (both without FMA
-    contraction). A partial with m = -inf, l = 0, acc = 0 leaves the state unchanged, bit for
-    bit."""
+    contraction). A partial with m = -inf, l = 0, acc = -0 (an empty chunk: the chunks' softmax
+    starts from acc = -0) leaves any state unchanged, bit for bit: alpha is 1 or the state is the
+    initial one, beta is 0, and x + (-0) = x for every x (with +0, a -0 in acc would turn +0)."""
     m_new = tl.maximum(m_all, m)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_all - m_ref)
@@ -392,12 +393,15 @@ def paged_attention_chunked_kernel(
     qk_scale = scale * LOG2E
 
     if split != 0:
-        # Chunk p of this tile's key range (empty outside it: m = -inf, l = 0, acc = 0).
+        # Chunk p of this tile's key range (empty outside it: m = -inf, l = 0, acc = -0). Chunks
+        # past the sequence's keys are not folded (the fold kernel stops before them).
         p = tl.program_id(2)
         num_chunks = tl.num_programs(2)
+        if p * KEY_CHUNK >= kv_len:
+            return
         c0 = tl.minimum(tl.maximum(lo, p * KEY_CHUNK), hi)
         c1 = tl.maximum(tl.minimum(hi, (p + 1) * KEY_CHUNK), c0)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        acc = tl.full([BLOCK_M, HEAD_DIM], -0.0, dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, c0, c1, full_lo,
@@ -416,7 +420,7 @@ def paged_attention_chunked_kernel(
         for p in range(lo // KEY_CHUNK, tl.cdiv(hi, KEY_CHUNK)):
             c0 = tl.maximum(lo, p * KEY_CHUNK)
             c1 = tl.minimum(hi, (p + 1) * KEY_CHUNK)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            acc = tl.full([BLOCK_M, HEAD_DIM], -0.0, dtype=tl.float32)
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc, m_i, l_i = _attend_span(acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, c0, c1,
@@ -434,25 +438,48 @@ def paged_attention_chunked_kernel(
 def paged_attention_chunk_fold_kernel(
         workspace_ptr,  # fp32, written by paged_attention_chunked_kernel with split != 0
         out_ptr,  # bf16 [T, num_heads, HEAD_DIM]
-        num_tokens, num_heads, num_chunks,  # i32
-        HEAD_DIM: tl.constexpr):
+        query_start_ptr, kv_len_ptr,  # int32
+        num_tokens, num_seqs, num_heads, num_chunks,  # i32
+        HEAD_DIM: tl.constexpr, KEY_CHUNK: tl.constexpr, UNROLL: tl.constexpr):
+    """Folds chunks 0 .. cdiv(kv_len, KEY_CHUNK) - 1 of the token's sequence (the later ones hold
+    no key of it and were not written), UNROLL chunks loaded at once and then folded one by one;
+    a loaded chunk is taken out of its block by a sum with -0 everywhere else (exact)."""
     gdc_wait()
     gdc_launch_dependents()
     tok = tl.program_id(0)
     head = tl.program_id(1)
+    # The token's sequence: the first s with query_start[s + 1] > tok.
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_ptr + mid + 1) > tok:
+            hi = mid
+        else:
+            lo = mid + 1
+    kv_len = tl.load(kv_len_ptr + lo)
+    n = tl.minimum(tl.cdiv(tl.maximum(kv_len, 0), KEY_CHUNK), num_chunks)
     offs_d = tl.arange(0, HEAD_DIM)
-    one = tl.zeros([1], dtype=tl.int64)
+    offs_u = tl.arange(0, UNROLL)
     ml_ptr = workspace_ptr + num_chunks.to(tl.int64) * num_tokens * num_heads * HEAD_DIM
     acc_all = tl.zeros([1, HEAD_DIM], dtype=tl.float32)
     m_all = tl.full([1], float("-inf"), dtype=tl.float32)
     l_all = tl.zeros([1], dtype=tl.float32)
-    for p in range(0, num_chunks):
-        part = (p * num_tokens + tok).to(tl.int64) * num_heads + head + one  # [1]
-        m = tl.load(ml_ptr + part * 2)
-        l = tl.load(ml_ptr + part * 2 + 1)
-        acc = tl.load(workspace_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])
-        acc_all, m_all, l_all = _fold(acc_all, m_all, l_all, acc, m, l)
+    for p0 in range(0, n, UNROLL):
+        p = p0 + offs_u
+        ok = p < n
+        part = (p * num_tokens + tok).to(tl.int64) * num_heads + head  # [UNROLL]
+        m_blk = tl.load(ml_ptr + part * 2, mask=ok, other=float("-inf"))
+        l_blk = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+        acc_blk = tl.load(workspace_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None],
+                          other=-0.0)
+        for i in tl.static_range(UNROLL):
+            pick = offs_u == i
+            m = tl.sum(tl.where(pick, m_blk, -0.0), 0, keep_dims=True)
+            l = tl.sum(tl.where(pick, l_blk, -0.0), 0, keep_dims=True)
+            acc = tl.sum(tl.where(pick[:, None], acc_blk, -0.0), 0, keep_dims=True)
+            acc_all, m_all, l_all = _fold(acc_all, m_all, l_all, acc, m, l)
     l_safe = tl.where(l_all == 0.0, 1.0, l_all)
     out = acc_all / l_safe[:, None]
-    out_off = (tok.to(tl.int64) * num_heads + head) * HEAD_DIM + one
-    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty))
+    out_off = (tok.to(tl.int64) * num_heads + head) * HEAD_DIM
+    tl.store(out_ptr + out_off + offs_d[None, :], out.to(out_ptr.dtype.element_ty))

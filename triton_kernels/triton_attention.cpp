@@ -49,6 +49,12 @@ struct ChunkedKernel {
   int id, block_m;
   ChunkedLaunch launch;
 };
+using FoldLaunch = CUresult (*)(CUfunction, CUstream, unsigned, unsigned, unsigned, CUdeviceptr, CUdeviceptr,
+                                CUdeviceptr, CUdeviceptr, int32_t, int32_t, int32_t, int32_t);
+struct FoldKernel {
+  int id;
+  FoldLaunch launch;
+};
 
 // Decode tiles: the smallest one holding max_query_len * group rows.
 constexpr int kDecodeSmallM = g::paged_attention_decode_hd64_m16::kBlockM;
@@ -120,7 +126,7 @@ ChunkedKernel chunked_kernel(int head_dim) {
   return {k::kId, k::kBlockM, &k::launch};
 }
 
-ReduceKernel fold_kernel(int head_dim) {
+FoldKernel fold_kernel(int head_dim) {
   if (head_dim == 64) {
     namespace k = g::paged_attention_chunk_fold_hd64;
     return {k::kId, &k::launch};
@@ -372,10 +378,10 @@ CUresult paged_attention(const Modules& m, cudaStream_t stream, const PagedAtten
                           a.num_heads, a.num_kv_heads, a.block_size, a.max_blocks_per_seq, causal,
                           a.window, symmetric, split ? 1 : 0);
     if (r != CUDA_SUCCESS || !split) return r;
-    const ReduceKernel fold = fold_kernel(a.head_dim);
+    const FoldKernel fold = fold_kernel(a.head_dim);
     return fold.launch(m.function(fold.id), s, static_cast<unsigned>(a.num_tokens),
-                       static_cast<unsigned>(a.num_heads), 1, workspace, dptr(a.out), a.num_tokens,
-                       a.num_heads, plan.num_splits);
+                       static_cast<unsigned>(a.num_heads), 1, workspace, dptr(a.out), dptr(a.query_start),
+                       dptr(a.kv_len), a.num_tokens, a.num_seqs, a.num_heads, plan.num_splits);
   }
   const DecodeKernel k = decode_kernel(a.head_dim, plan.block_m);
   const CUdeviceptr workspace = plan.num_splits > 1 ? dptr(a.workspace) : 0;

@@ -111,14 +111,15 @@ class Batch:
         self.kv_len = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
 
     def run(self, causal, window, *, workspace=None, force_variant=0, force_splits=0,
-            max_query_len=None, symmetric=False):
+            max_query_len=None, symmetric=False, max_kv_len=None):
         import torch
 
         out = torch.full_like(self.q_dev, float("nan"))
         plan = _testing().triton_paged_attention(
             self.q_dev, self.k_pool, self.v_pool, out, self.query_start, self.kv_len, self.table,
             causal, window,
-            max(self.q_lens) if max_query_len is None else max_query_len, max(self.kv_lens),
+            max(self.q_lens) if max_query_len is None else max_query_len,
+            max(self.kv_lens) if max_kv_len is None else max_kv_len,
             workspace=workspace, force_variant=force_variant, force_splits=force_splits,
             stream=torch.cuda.current_stream().cuda_stream, symmetric_window=symmetric)
         return out.float().cpu(), plan
@@ -331,6 +332,12 @@ def test_batch_invariant_kernel_matches_reference(nh, nkv, hd, batch, kind, mode
     assert torch.equal(split, inline), f"chunked {mode}: split over {chunks} chunks differs from the in-kernel fold"
     chosen, plan = b.run(causal, window, symmetric=symmetric, workspace=ws, force_variant=CHUNKED)
     assert plan[0] == "chunked" and torch.equal(chosen, inline), f"chunked {mode}: the plan's choice ({plan[1]})"
+    # A CUDA graph's bound on kv_len: more chunks than any sequence has keys for.
+    bound = max(kv_lens) + 3 * KEY_CHUNK
+    split, plan = b.run(causal, window, symmetric=symmetric, workspace=chunk_workspace(sum(q_lens), nh, hd, bound),
+                        force_variant=CHUNKED, force_splits=2, max_kv_len=bound)
+    assert plan[:2] == ("chunked", -(-bound // KEY_CHUNK))
+    assert torch.equal(split, inline), f"chunked {mode}: split over a bound's {plan[1]} chunks differs"
     testing = _testing()
     for s, (n, nq) in enumerate(zip(kv_lens, q_lens)):
         if nq == 0 or len(kv_lens) == 1:
