@@ -81,6 +81,7 @@ constexpr int kCtasPerSm = 2;
 // one chunk is split over its chunks (decode and verify steps: a few tiles, many keys each).
 constexpr int64_t kKeyChunk = g::paged_attention_chunked_hd64::kKeyChunk;
 static_assert(g::paged_attention_chunked_hd128::kKeyChunk == kKeyChunk, "key chunks differ between head dims");
+static_assert(kKeyChunk == 256, "paged_attention_plan's message names 256-key chunks");
 
 PrefillKernel prefill_kernel(int head_dim) {
   if (head_dim == 64) {
@@ -330,8 +331,8 @@ const char* paged_attention_plan(const Modules& m, const PagedAttentionArgs& a,
     if (a.force_splits == 1) split = false;
     if (a.force_splits > 1) {
       if (!fits) {
-        return "a split chunked launch needs a 16-byte aligned workspace of "
-               "paged_attention_workspace_bytes(num_tokens, num_heads, head_dim, chunks of max_kv_len)";
+        return "a split chunked launch needs a 16-byte aligned workspace of num_tokens * num_heads * "
+               "(head_dim + 2) * 4 bytes per 256-key chunk of max_kv_len";
       }
       split = true;
     }

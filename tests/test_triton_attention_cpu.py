@@ -1,16 +1,17 @@
-# tests/test_triton_chunked_attention_cpu.py
+# tests/test_triton_attention_cpu.py
 #
-# The batch-invariant chunked attention kernels of triton_kernels/paged_attention.py (what
-# deterministic=True sessions run on the GPU), executed on the CPU by Triton's interpreter
-# (TRITON_INTERPRET=1, numpy underneath; in a child pytest process, see the first test) in fp32: the kernel against a softmax reference for
-# decode, verify and prefill shapes and every mask; the launch split over its key chunks (the fold
-# kernel) against the in-kernel fold, bit for bit; and a query's row computed alone against the
-# same row of a verify block or prefill. This checks the kernels' logic (tiles, chunk ranges,
-# folds, masks) on every CI run; the bf16 kernels themselves are tested on a GPU in
-# tests/gpu/test_triton_attention.py. Two shims adapt triton 3.6.0's interpreter to these kernels:
-# a copy of the file without the grid-dependency calls (inline PTX) is loaded, and a one-element
-# scalar converts to an index (the interpreter keeps kernel scalars as one-element arrays, which
-# `range` rejects). Skips when triton or torch is not installed.
+# The paged-attention kernels of triton_kernels/paged_attention.py run on the CPU by Triton's
+# interpreter (TRITON_INTERPRET=1, numpy underneath, fp32, small tiles; in a child pytest process,
+# see the first test). Above all the batch-invariant chunked kernels that deterministic=True
+# sessions run on the GPU: against a softmax reference for decode, verify and prefill shapes and
+# every mask; split over the key chunks (the fold kernel) against the in-kernel fold, bit for bit;
+# a query's row alone against its row of a verify block or prefill. Then the default path's
+# prefill and decode (+ split reduce) kernels against the reference. This checks the kernels'
+# logic (tiles, key ranges, chunks, folds, masks) on every CI run; the bf16 kernels themselves are
+# tested on a GPU in tests/gpu/test_triton_attention.py. Two shims adapt triton 3.6.0's
+# interpreter to these kernels: a copy of the file without the grid-dependency calls (inline PTX)
+# is loaded, and a one-element scalar converts to an index (the interpreter keeps kernel scalars as
+# one-element arrays, which `range` rejects). Skips when triton or torch is not installed.
 from __future__ import annotations
 
 import importlib.util
@@ -165,6 +166,44 @@ class Batch:
         return out
 
 
+    def _metadata(self):
+        """query_start, kv_len, block table and scale of the whole batch."""
+        import torch
+
+        return (torch.tensor(self.starts, dtype=torch.int32), torch.tensor(self.kv_lens, dtype=torch.int32),
+                self.table.contiguous(), 1.0 / math.sqrt(HD))
+
+    def run_prefill(self, pa, causal, window, symmetric):
+        """The prefill kernel (default prefills) over the batch."""
+        import torch
+
+        qs, kl, table, scale = self._metadata()
+        t, num_seqs, group = self.q.shape[0], len(self.kv_lens), self.nh // self.nkv
+        out = torch.full_like(self.q, float("nan"))
+        pa.paged_attention_prefill_kernel[(t // (BLOCK_M // group) + num_seqs, self.nkv)](
+            self.q, self.k_pool, self.v_pool, out, qs, kl, table, scale, num_seqs, self.nh, self.nkv, BS,
+            self.max_blocks, int(causal or window > 0) if not symmetric else 0, window, int(symmetric),
+            HEAD_DIM=HD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        return out
+
+    def run_decode(self, pa, causal, window, symmetric, splits):
+        """The decode kernel (few queries per sequence), split over `splits` key ranges and reduced."""
+        import torch
+
+        qs, kl, table, scale = self._metadata()
+        t, num_seqs = self.q.shape[0], len(self.kv_lens)
+        out = torch.full_like(self.q, float("nan"))
+        ws = torch.zeros(splits * t * self.nh * (HD + 2))
+        pa.paged_attention_decode_kernel[(num_seqs, self.nkv, splits)](
+            self.q, self.k_pool, self.v_pool, out, ws, qs, kl, table, scale, t, self.nh, self.nkv, BS, self.max_blocks,
+            int(causal or window > 0) if not symmetric else 0, window, int(symmetric),
+            HEAD_DIM=HD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        if splits > 1:
+            pa.paged_attention_split_reduce_kernel[(t, self.nh)](ws, out, t, self.nh, splits, HEAD_DIM=HD,
+                                                                 MAX_SPLITS=4)
+        return out
+
+
 MODES = {"causal": (True, 0, False), "noncausal": (False, 0, False), "window": (True, 24, False),
          "symmetric": (False, 24, True)}
 
@@ -202,3 +241,22 @@ def test_a_row_alone_equals_its_row_in_a_block(pa, mode, split_alone):
     for i in (0, 1, 7, 8, 15, 16, 17, 18, 19, 31, 39):
         alone = b.run(pa, causal, window, symmetric, split=split_alone, rows=(0, i, i + 1))
         assert torch.equal(alone[0], block[i]), f"{mode}: query {i} alone differs from its row of the block"
+
+
+@interpreted_only
+@pytest.mark.parametrize("mode", list(MODES))
+def test_prefill_and_decode_kernels_match_reference(pa, mode):
+    """The default path's kernels in the same harness: the prefill kernel over decode, verify and
+    prefill rows, the decode kernel (a sequence's queries in one tile) unsplit and split in 3 with
+    the reduce kernel."""
+    import torch
+
+    causal, window, symmetric = MODES[mode]
+    b = Batch([1, 70, 100, 150, 64], [1, 5, 48, 1, 7], 4, 2, seed=len(mode))
+    ref = b.reference(causal, window, symmetric)
+    torch.testing.assert_close(b.run_prefill(pa, causal, window, symmetric), ref, atol=1e-4, rtol=1e-4)
+    d = Batch([1, 70, 100, 150, 64], [1, 5, 8, 1, 7], 4, 2, seed=len(mode) + 1)  # <= 8 queries: 16 rows
+    ref = d.reference(causal, window, symmetric)
+    for splits in (1, 3):
+        torch.testing.assert_close(d.run_decode(pa, causal, window, symmetric, splits), ref, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"decode, {splits} splits: {m}")
