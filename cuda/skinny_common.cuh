@@ -34,6 +34,18 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 __host__ __device__ constexpr int red_stride(int row_tiles) { return 16 * row_tiles + 4; }
 __host__ __device__ constexpr size_t red_bytes(int nt, int row_tiles) { return sizeof(float) * 8 * nt * red_stride(row_tiles); }
 
+// One output of a product: fp32, or bf16 (ADD: the bf16 value already there added first).
+template <bool F32, bool ADD>
+__device__ __forceinline__ void store_out(void* out, int64_t o, float sum) {
+  if constexpr (F32) {
+    static_cast<float*>(out)[o] = sum;
+  } else {
+    __nv_bfloat16* y = static_cast<__nv_bfloat16*>(out);
+    if constexpr (ADD) sum += __bfloat162float(y[o]);
+    y[o] = __float2bfloat16_rn(sum);
+  }
+}
+
 // Static shared memory of the kernels (stage_input's row sums): a launch whose dynamic shared
 // memory plus this passes the 48 KB default must raise the kernel's dynamic limit first.
 constexpr size_t kStaticSmemMargin = 2048;

@@ -259,14 +259,7 @@ __global__ void __launch_bounds__(G >= 4 ? 256 : 512) skinny_gemm_kernel(const _
       if (n >= rows) continue;
       float sum = 0.0f;
       for (int v = 0; v < num_warps; ++v) sum += red[((v * G + i) * MP + m) * S + n];
-      const int64_t o = static_cast<int64_t>(first_row(i) + m) * N + row0 + n;
-      if constexpr (F32) {
-        static_cast<float*>(out)[o] = sum;
-      } else {
-        __nv_bfloat16* y = static_cast<__nv_bfloat16*>(out);
-        if constexpr (ADD) sum += __bfloat162float(y[o]);
-        y[o] = __float2bfloat16_rn(sum);
-      }
+      store_out<F32, ADD>(out, static_cast<int64_t>(first_row(i) + m) * N + row0 + n, sum);
     }
   }
 }

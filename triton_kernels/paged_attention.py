@@ -204,6 +204,27 @@ def _fold(acc_all, m_all, l_all, acc, m, l):
 
 
 @triton.jit
+def _tile_queries(q_ptr, q_begin, num_q, q0, kv_len, kv_head, num_heads, group, q_per_tile,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A prefill-grid tile's rows: row m is (query q0 + m // group, head kv_head * group +
+    m % group). Returns the queries [BLOCK_M, HEAD_DIM], their positions, which rows exist, the
+    rows' token, head and offset in q / out, and the positions of the tile's first and last
+    queries."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    qi = q0 + offs_m // group
+    row_ok = (offs_m < q_per_tile * group) & (qi < num_q)
+    q_pos = kv_len - num_q + qi
+    tok = q_begin + qi
+    head = kv_head * group + offs_m % group
+    row_off = tok.to(tl.int64) * (num_heads * HEAD_DIM) + head * HEAD_DIM
+    q = tl.load(q_ptr + row_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    qp_first = kv_len - num_q + q0
+    qp_last = kv_len - num_q + tl.minimum(q0 + q_per_tile, num_q) - 1
+    return q, q_pos, row_ok, tok, head, row_off, qp_first, qp_last
+
+
+@triton.jit
 def paged_attention_prefill_kernel(
         q_ptr, k_pool_ptr, v_pool_ptr, out_ptr,  # bf16
         query_start_ptr, kv_len_ptr, block_table_ptr,  # int32
@@ -222,18 +243,9 @@ def paged_attention_prefill_kernel(
     if local >= num_tiles:
         return
     kv_len = tl.load(kv_len_ptr + seq)
-
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    qi = q0 + offs_m // group
-    row_ok = (offs_m < q_per_tile * group) & (qi < num_q)
-    q_pos = kv_len - num_q + qi
-    row_off = (q_begin + qi).to(tl.int64) * (num_heads * HEAD_DIM) + \
-        (kv_head * group + offs_m % group) * HEAD_DIM
-    q = tl.load(q_ptr + row_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-
-    qp_first = kv_len - num_q + q0
-    qp_last = kv_len - num_q + tl.minimum(q0 + q_per_tile, num_q) - 1
+    q, q_pos, row_ok, tok, head, row_off, qp_first, qp_last = _tile_queries(
+        q_ptr, q_begin, num_q, q0, kv_len, kv_head, num_heads, group, q_per_tile, HEAD_DIM, BLOCK_M)
     lo, hi, full_lo, full_hi = _key_ranges(kv_len, qp_first, qp_last, causal, window, symmetric,
                                            BLOCK_N)
 
@@ -371,19 +383,9 @@ def paged_attention_chunked_kernel(
     if local >= num_tiles:
         return
     kv_len = tl.load(kv_len_ptr + seq)
-
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    qi = q0 + offs_m // group
-    row_ok = (offs_m < q_per_tile * group) & (qi < num_q)
-    q_pos = kv_len - num_q + qi
-    head = kv_head * group + offs_m % group
-    tok = q_begin + qi
-    row_off = tok.to(tl.int64) * (num_heads * HEAD_DIM) + head * HEAD_DIM
-    q = tl.load(q_ptr + row_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-
-    qp_first = kv_len - num_q + q0
-    qp_last = kv_len - num_q + tl.minimum(q0 + q_per_tile, num_q) - 1
+    q, q_pos, row_ok, tok, head, row_off, qp_first, qp_last = _tile_queries(
+        q_ptr, q_begin, num_q, q0, kv_len, kv_head, num_heads, group, q_per_tile, HEAD_DIM, BLOCK_M)
     lo, hi, full_lo, full_hi = _key_ranges(kv_len, qp_first, qp_last, causal, window, symmetric,
                                            BLOCK_N)
     slot_stride = num_kv_heads * HEAD_DIM
