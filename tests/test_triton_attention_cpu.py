@@ -47,7 +47,7 @@ def test_chunked_kernels_in_the_interpreter():
 
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                       cwd=REPO, capture_output=True, text=True, timeout=1200)
+                       cwd=REPO, capture_output=True, text=True, timeout=1200, check=False)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
 
 
@@ -259,4 +259,4 @@ def test_prefill_and_decode_kernels_match_reference(pa, mode):
     ref = d.reference(causal, window, symmetric)
     for splits in (1, 3):
         torch.testing.assert_close(d.run_decode(pa, causal, window, symmetric, splits), ref, atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"decode, {splits} splits: {m}")
+                                   msg=lambda m, splits=splits: f"decode, {splits} splits: {m}")

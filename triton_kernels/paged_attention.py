@@ -244,7 +244,7 @@ def paged_attention_prefill_kernel(
         return
     kv_len = tl.load(kv_len_ptr + seq)
     offs_d = tl.arange(0, HEAD_DIM)
-    q, q_pos, row_ok, tok, head, row_off, qp_first, qp_last = _tile_queries(
+    q, q_pos, row_ok, _tok, _head, row_off, qp_first, qp_last = _tile_queries(
         q_ptr, q_begin, num_q, q0, kv_len, kv_head, num_heads, group, q_per_tile, HEAD_DIM, BLOCK_M)
     lo, hi, full_lo, full_hi = _key_ranges(kv_len, qp_first, qp_last, causal, window, symmetric,
                                            BLOCK_N)
