@@ -1,10 +1,11 @@
 # tests/test_bench_gpu_common.py
 #
 # The pure-Python parts of the GPU benchmarks (bench/gpu_common.py, bench/bench_gpu_qwen3.py,
-# bench/ab_gpu_step.py) on the CPU: byte counts of a decode step against the figures of the first
-# H200 run, the KV plan, the projection and goal fields, argument parsing, the shared headline
-# file (merged, never replaced), and the A/B runner's variant syntax, medians and ratios. Nothing
-# here times anything or needs a GPU.
+# bench/ab_gpu_step.py, bench_gpu_attention_small.py's plan, bench_gpu_launch_modes.py's modes) on
+# the CPU: byte counts of a decode step against the figures of the first H200 run, the KV plan,
+# the projection and goal fields, argument parsing, the shared headline file (merged, never
+# replaced), the A/B runner's variant syntax, medians and ratios, and the launch-mode selection
+# and medians. Nothing here times anything or needs a GPU.
 from __future__ import annotations
 
 import importlib
@@ -173,8 +174,28 @@ def test_attention_bench_plan():
     assert [(c[0], c[2], c[4]) for c in verify] == [("triton", 16, 0), ("triton", 16, 0), ("triton", 16, 2),
                                                     ("triton", 16, 4), ("cuda", 16, 0), ("cuda", 16, 0),
                                                     ("cuda", 16, 2)]
+    # the batch-invariant kernels: the chunked one on its own choice and folded in the kernel, the
+    # prefill one unsplit only
+    inv = b.plan(b.parse_args(["--impls", "triton_prefill,triton_chunked", "--batches", "1", "--qlens", "1",
+                               "--contexts", "4096"]))
+    assert [(c[0], c[4], c[5]) for c in inv] == [("triton_prefill", 0, 4096), ("triton_prefill", 0, 4112),
+                                                 ("triton_chunked", 0, 4096), ("triton_chunked", 0, 4112),
+                                                 ("triton_chunked", 1, 4096)]
     with pytest.raises(SystemExit):
         b.parse_args(["--impls", "cuda,nope"])
+
+
+def test_launch_modes_selection_and_medians():
+    b = _bench_module("bench_gpu_launch_modes")
+    assert list(b.select_modes(None)) == list(b.MODES)
+    assert list(b.select_modes("pdl+fused+rope,pdl+fused")) == ["pdl+fused", "pdl+fused+rope"]  # MODES order
+    with pytest.raises(ValueError, match="nope"):
+        b.select_modes("pdl+fused,nope")
+    runs = [{"a": {"wall_ms_per_step_unprofiled": t, "run": i}} for i, t in enumerate([3.0, 1.0, 2.0, 4.0])]
+    merged = b.median_runs(runs)
+    assert merged["a"]["run"] == 2 and merged["a"]["wall_ms_per_step_unprofiled"] == 2.0  # lower middle of 4
+    assert merged["a"]["wall_ms_per_step_unprofiled_runs"] == [1.0, 2.0, 3.0, 4.0]
+    assert b.median_runs(runs[:1])["a"]["run"] == 0
 
 
 def test_profile_host_split():
