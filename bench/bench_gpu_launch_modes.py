@@ -137,7 +137,7 @@ def main() -> None:
                 continue
             p = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--worker", "--steps", str(args.steps),
                                 "--points", json.dumps(points)], env={**os.environ, **env}, capture_output=True,
-                               text=True, timeout=600)
+                               text=True, timeout=600, check=False)
             lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             if p.returncode != 0 or not lines:
                 res["results"][mode] = {"error": (p.stderr or p.stdout)[-2000:], "returncode": p.returncode}
