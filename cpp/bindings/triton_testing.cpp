@@ -188,8 +188,9 @@ void bind_triton_testing(nb::module_& testing) {
               "metadata); writes out, synchronises `stream` (an int handle, default the legacy "
               "stream; synchronize=False: launches only, e.g. inside a graph capture) and returns "
               "(variant, num_splits, block_m). force_variant: 0 auto, "
-              "1 prefill, 2 decode; force_splits: 0 auto; symmetric_window: with window > 0, "
-              "keys |q_pos - j| < window (causal ignored).");
+              "1 prefill, 2 decode, 3 chunked (batch-invariant); force_splits: 0 auto (chunked: 1 "
+              "folds in the kernel, > 1 splits over every key chunk); symmetric_window: with "
+              "window > 0, keys |q_pos - j| < window (causal ignored).");
   testing.def(
       "triton_paged_attention_workspace_bytes",
       [](int32_t max_tokens, int32_t num_heads, int32_t head_dim, int32_t max_splits) {
