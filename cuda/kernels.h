@@ -84,6 +84,11 @@ struct SkinnyGemmConfig {
   bool batch_invariant = false;
 };
 constexpr int64_t kBatchInvariantRows = 16;
+// Warps per CTA of the batch-invariant shape for N output columns (the skinny launchers' choice).
+// The streaming kernel launched batch-invariant with these warps (StreamGemmConfig) computes every
+// output with the same bits as the skinny kernel's batch-invariant launch: the same k chunks per
+// warp, accumulator sets, mma order and warp sum (stream_gemm.cu's top).
+int batch_invariant_warps(int64_t n);
 cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t m, int64_t n, int64_t k,
                         bool out_f32, void* out, cudaStream_t stream, const SkinnyGemmConfig* config = nullptr);
 
@@ -111,8 +116,9 @@ cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, i
 // M <= kStreamGemmMaxRows, K % 8 == 0, 16-byte aligned inputs; stream_gemm_supports says whether a
 // launch shape fits (shared memory). config (benchmarks; 0 = the launcher's choice): warps per CTA
 // (1..16), stages (3, 4 or 6; 6 plain only), unroll (4, or 8 with M <= 8 plain), CTAs per SM (at
-// most the occupancy); batch_invariant: one shape for every M <= 16 (NT 2, W from K, smem for 16
-// rows), its own (the backend's deterministic mode runs the skinny kernel's, not this one).
+// most the occupancy); batch_invariant: one shape for every M <= 16 (NT 2, U 4, W from K unless given,
+// smem for 16 rows); with warps = batch_invariant_warps(N) its outputs have the bits of the skinny
+// kernel's batch-invariant launch (the backend's deterministic mode runs M <= 16 here where it fits).
 struct StreamGemmConfig {
   int warps = 0;
   int stages = 0;

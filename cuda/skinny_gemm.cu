@@ -322,6 +322,14 @@ FusedFn pick_fused(SkinnyInput input, bool add, int slices_per_cta = 1) {
   return nullptr;
 }
 
+// Warps per CTA over `tiles` w tiles: all CTAs resident at once where possible, two CTAs of 8
+// warps per SM, or one of 16 warps (a deeper split of K) when there are no more tiles than SMs.
+int warps_for_tiles(int64_t tiles) {
+  int device = 0, sms = 132;
+  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return tiles <= sms ? 16 : 8;
+}
+
 // Slices of a batch-invariant launch per CTA (the kernel's G): 1 for one slice or a staged input;
 // else 4 when at least 3 slices share a w tile and the CTA has at most 8 warps (G 4 needs up to
 // 255 registers a thread), 2 otherwise. A row's bits do not depend on it (the kernel's top).
@@ -374,9 +382,7 @@ cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, i
   }
   const int nt = (m <= 8 && !f.batch_invariant) ? 1 : 2;
   const int64_t tiles = (n + 15) / 16, rows = rows_per_cta(m, f.batch_invariant);
-  int device = 0, sms = 132;
-  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int warps = tiles <= sms ? 16 : 8;  // by the w tiles only: a slice computes as a launch of its own
+  const int warps = warps_for_tiles(tiles);  // by the w tiles only: a slice computes as a launch of its own
   const int per_cta = slices_per_cta(m, f.batch_invariant, warps, f.input);
   FusedFn kernel = f.batch_invariant ? pick_fused<2, 4, true>(f.input, f.add, per_cta)
                    : nt == 1          ? pick_fused<1, 8>(f.input, f.add)
@@ -395,6 +401,8 @@ cudaError_t skinny_gemm_fused(const __nv_bfloat16* in, const __nv_bfloat16* w, i
                  static_cast<int>(rows));
   return cudaGetLastError();
 }
+
+int batch_invariant_warps(int64_t n) { return warps_for_tiles((n + 15) / 16); }
 
 bool skinny_gemm_supports(const void* x, const void* w, int64_t m, int64_t k) {
   return x != nullptr && w != nullptr && m >= 1 && m <= kSkinnyGemmMaxRows && k > 0 && k % 8 == 0 &&
@@ -419,14 +427,8 @@ cudaError_t skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t 
   }
   if (warps < 0 || warps > 16) return cudaErrorInvalidValue;
   const int64_t tiles = (n + 16 * row_tiles - 1) / (16 * row_tiles);
-  if (warps == 0) {
-    // All CTAs resident at once where possible: two CTAs of 8 warps per SM, or one of 16 warps
-    // (a deeper split of K) when there are no more tiles than SMs. By the w tiles only: a
-    // batch-invariant slice computes as a launch of its own would.
-    int device = 0, sms = 132;
-    if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    warps = tiles <= sms ? 16 : 8;
-  }
+  // By the w tiles only: a batch-invariant slice computes as a launch of its own would.
+  if (warps == 0) warps = warps_for_tiles(tiles);
   const int per_cta = slices_per_cta(m, invariant, warps, SkinnyInput::kPlain);
   KernelFn kernel = invariant ? invariant_kernel(out_f32, per_cta)
                     : nt == 1 ? pick_shape<1>(row_tiles, unroll, out_f32)

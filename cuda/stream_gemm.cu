@@ -26,7 +26,12 @@
 // Determinism: each output is summed in a fixed order (chunks in a warp's order into A accumulator
 // sets, the sets in order, the warps in order), so reruns give the same bits. The order depends on
 // M through NT (column tiles: 1 for M <= 8, 2 for M <= 16) and W only; with batch_invariant NT is 2
-// for every M and W a function of K, so a row's bits do not depend on the other rows.
+// for every M and W a function of K, so a row's bits do not depend on the other rows. Launched with
+// the W of the skinny kernel's batch-invariant shape (batch_invariant_warps(N)), an output also has
+// that kernel's bits: its U (4) chunks per round and warp, chunk u into set u % A (A 2), the same
+// mma per chunk (lane (g, t): w rows g, g + 8 and x row g, k = chunk * 32 + t * 8, zeros past K),
+// the sets added in order, then the warps from 0 up into a sum starting at 0, the same epilogue.
+// So the deterministic mode runs up to 16 rows here and more in the skinny kernel's slices.
 #include <mutex>
 
 #include "cuda/common.cuh"

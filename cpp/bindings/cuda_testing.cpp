@@ -648,6 +648,9 @@ void bind_cuda_testing(nb::module_& m) {
         "position"_a, "tokens"_a);
   m.def("cuda_skinny_gemm", &cuda_skinny_gemm, "x"_a, "w"_a, "out"_a, "stream"_a.none() = nb::none(),
         "warps"_a = 0, "row_tiles"_a = 0, "unroll"_a = 0, "batch_invariant"_a = false);
+  m.def("cuda_batch_invariant_warps", [](int64_t n) { return cuda::batch_invariant_warps(n); }, "n"_a,
+        "warps per CTA of the batch-invariant skinny shape for N output columns (the streaming kernel launched "
+        "batch-invariant with them has the skinny kernel's bits)");
   m.def("cuda_stream_gemm", &cuda_stream_gemm, "inp"_a, "w"_a, "out"_a, "mode"_a = "plain", "gamma"_a.none() = nb::none(),
         "eps"_a = 1e-6f, "add"_a = false, "warps"_a = 0, "stages"_a = 0, "unroll"_a = 0, "ctas_per_sm"_a = 0,
         "batch_invariant"_a = false, "stream"_a.none() = nb::none());

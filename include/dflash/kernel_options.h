@@ -52,7 +52,8 @@ struct KernelOptions {
   // only, never on the number of rows, the batch or the kind of step, so a position's logits
   // have the same bits decoded alone, in a batch, in a speculative verify step or in a prefill:
   // speculative greedy output equals target-only greedy output token for token. Slower (linear
-  // layers in launches of 16-row slices on the skinny kernel, no cuBLASLt; attention on one
+  // layers on one fixed-order shape, no cuBLASLt: up to 16 rows on the streaming kernel, more in
+  // 16-row slices of the skinny kernel, with the same bits; attention on one
   // Triton kernel that folds key chunks at fixed positions in order, split over the chunks at
   // small batch). The CPU backend does not implement it (an error).
   bool batch_invariant = false;

@@ -126,6 +126,45 @@ def test_one_fused_launch_of_many_rows_equals_its_16_row_slices(mode, n, m):
         assert torch.equal(part, full[r0:r0 + rows]), f"{mode} m={m}: slice at row {r0} differs"
 
 
+STREAM_MODES = {"plain": ("plain", False, False), "plain_f32": ("plain", False, True), "add": ("plain", True, False),
+                "rms_norm": ("rms_norm", False, False), "silu_mul_add": ("silu_mul", True, False)}
+
+
+@pytest.mark.parametrize("mode", list(STREAM_MODES))
+@pytest.mark.parametrize("n,k", [(5000, 1024), (4096, 4096), (3000, 576), (1024, 1024)])
+def test_streaming_kernel_has_the_skinny_kernels_bits(mode, n, k):
+    """Deterministic sessions run up to 16 rows on the streaming kernel, launched batch-invariant with
+    the skinny kernel's warps, and more rows in the skinny kernel's slices: for every M <= 16 the two
+    must give the same bits (N = 1024 asks for 16 warps, whose ring does not fit: the skinny kernel
+    alone, as in the backend). Forms that one kernel's shared memory cannot hold are skipped there."""
+    K = kernel_ops()
+    kind, add, f32 = STREAM_MODES[mode]
+    warps = K.cuda_batch_invariant_warps(n)
+    assert warps == (16 if -(-n // 16) <= torch.cuda.get_device_properties(0).multi_processor_count else 8)
+    w = bf16_randn(n, k, seed=21, scale=0.05)
+    gamma = bf16_randn(k, seed=22, scale=0.1) + 1 if kind == "rms_norm" else None
+    compared = 0
+    for m in (1, 3, 8, 9, 16):
+        inp = bf16_randn(m, 2 * k if kind == "silu_mul" else k, seed=23 + m)
+        base = bf16_randn(m, n, seed=24 + m)
+        a = base.clone().float() if f32 else base.clone()
+        b = a.clone()
+        try:
+            if kind == "plain" and not add:
+                K.cuda_skinny_gemm(inp, w, a, batch_invariant=True)
+            else:
+                K.cuda_skinny_gemm_fused(inp, w, a, kind, gamma=gamma, add=add, batch_invariant=True)
+            K.cuda_stream_gemm(inp, w, b, mode=kind, gamma=gamma, add=add, warps=warps, batch_invariant=True)
+        except ValueError as e:
+            assert "unsupported" in str(e)
+            continue
+        torch.cuda.synchronize()
+        assert torch.equal(a, b), f"{mode} N={n} K={k} M={m}: the streaming kernel differs from the skinny kernel"
+        compared += 1
+    if warps == 8 and kind == "plain":
+        assert compared == 5, f"{mode} N={n} K={k}: the plain forms must run on both kernels"
+
+
 # ------------------------------------------------------------------------------- sessions
 
 

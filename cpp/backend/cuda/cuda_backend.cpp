@@ -241,11 +241,27 @@ bool CudaBackend::stream_for(int64_t m) const {
   return !batch_invariant_ && gemm_mode_ == GemmMode::kStream && m <= cuda::kStreamGemmMaxRows;
 }
 
+bool CudaBackend::invariant_stream(const void* in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion,
+                                   bool f32, void* out) {
+  const int64_t n = w.dim(0), k = w.dim(1);
+  if (m > cuda::kStreamGemmMaxRows) return false;
+  cuda::SkinnyFusion f = fusion;
+  f.batch_invariant = true;
+  cuda::StreamGemmConfig config;
+  config.batch_invariant = true;
+  config.warps = cuda::batch_invariant_warps(n);  // the skinny kernel's shape: the same bits
+  if (!cuda::stream_gemm_supports(in, w.data, m, k, f, f32, &config)) return false;
+  DFLASH_CUDA_CHECK(cuda::stream_gemm(static_cast<const __nv_bfloat16*>(in), bf(w), m, n, k, f, f32, out, stream_,
+                                      &config));
+  return true;
+}
+
 bool CudaBackend::try_fused(const Tensor& in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion,
                             Tensor& out) {
   const int64_t n = w.dim(0), k = w.dim(1);
   if (batch_invariant_) {
-    // Fused only where a full slice fits (a choice by K, never by m), then slice by slice.
+    // Fused only where a full slice fits (a choice by K, never by m), then slice by slice; up to 16
+    // rows on the streaming kernel where its shared memory holds the form (same bits).
     cuda::SkinnyFusion f = fusion;
     f.batch_invariant = true;
     if (!fused_layers_ || !cuda::skinny_gemm_fused_supports(in.data, w.data, cuda::kBatchInvariantRows, k, f)) {
@@ -253,6 +269,7 @@ bool CudaBackend::try_fused(const Tensor& in, const Tensor& w, int64_t m, const 
     }
     check_bf16(in, "fused linear input");
     check_bf16(out, "fused linear output");
+    if (invariant_stream(in.data, w, m, f, false, out.data)) return true;
     // One launch; the kernel runs the rows in slices of kBatchInvariantRows.
     DFLASH_CUDA_CHECK(cuda::skinny_gemm_fused(bf(in), bf(w), m, n, k, f, bf(out), stream_));
     return true;
@@ -275,6 +292,8 @@ void CudaBackend::invariant_linear(const Tensor& x, const Tensor& w, int64_t m, 
   DFLASH_CHECK(cuda::skinny_gemm_supports(x.data, w.data, 1, k), "batch-invariant linear: the skinny kernel does not "
                "support x ", shape_str(x.shape), " w ", shape_str(w.shape), " (K % 8 == 0 and 16-byte aligned rows)");
   check_bf16(x, "batch-invariant linear input");
+  // Up to 16 rows on the streaming kernel where it fits: the bits of the skinny kernel's launch.
+  if (invariant_stream(x.data, w, m, cuda::SkinnyFusion{}, out.dtype == DType::kF32, out.data)) return;
   cuda::SkinnyGemmConfig config;
   config.batch_invariant = true;
   // One launch; the kernel runs the rows in slices of kBatchInvariantRows.

@@ -128,12 +128,17 @@ class CudaBackend final : public Backend {
   bool skinny_for(int64_t m, const Tensor& w) const;
   // Whether the linear layers of m rows run the streaming skinny kernel (cuda/stream_gemm.cu)
   // where it supports the shape (GemmMode::kStream, up to 16 rows; the batch-invariant mode
-  // keeps the skinny kernel).
+  // goes through invariant_stream instead).
   bool stream_for(int64_t m) const;
+  // Batch-invariant mode: out[m, N] = (fused) in @ w^T on the streaming kernel with the skinny
+  // kernel's batch-invariant warps (the same bits as invariant_linear / the fused skinny launch),
+  // for m <= 16 where its shared memory holds the form; false: not run.
+  bool invariant_stream(const void* in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion, bool f32,
+                        void* out);
   // The fused skinny kernel when skinny_for() and the kernel supports the shape; false: not run.
   bool try_fused(const Tensor& in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion, Tensor& out);
   // out[m, N] = x[m, K] @ w^T on the batch-invariant skinny shape (one launch, slices of
-  // kBatchInvariantRows rows).
+  // kBatchInvariantRows rows; up to 16 rows through invariant_stream where it fits).
   void invariant_linear(const Tensor& x, const Tensor& w, int64_t m, Tensor& out);
   // The arguments of one attention call over pool layer `layer` (q gives the token and head counts).
   PagedAttentionArgs attention_args(const Tensor& q, const KVPool& pool, int64_t layer, const AttentionMeta& meta,
@@ -202,7 +207,8 @@ class CudaBackend final : public Backend {
   GemmMode gemm_mode_ = GemmMode::kAuto;
   bool fused_layers_ = true;  // KernelOptions::fused_layers false: the layer ops compose the unfused kernels
   // KernelOptions::batch_invariant: every linear layer on the skinny kernel's batch-invariant
-  // shape in slices of cuda::kBatchInvariantRows rows (no cuBLASLt), the fused forms only where
+  // shape in slices of cuda::kBatchInvariantRows rows (no cuBLASLt; up to 16 rows on the
+  // streaming kernel with that shape's warps where it fits, the same bits), the fused forms only where
   // a full slice fits, every attention on the Triton chunked kernel (one kernel for every query
   // count; key chunks at fixed positions folded in order, split over them or not): a row's bits
   // do not depend on the other rows of the step.
