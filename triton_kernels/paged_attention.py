@@ -162,6 +162,18 @@ def _key_ranges(kv_len, qp_first, qp_last, causal, window, symmetric, BLOCK_N: t
 
 
 @triton.jit
+def _kv_head_pointers(k_pool_ptr, v_pool_ptr, block_table_ptr, seq, kv_head, num_kv_heads,
+                      max_blocks_per_seq, HEAD_DIM: tl.constexpr):
+    """K and V of KV head kv_head in block 0 of the pools, the sequence's row of the block table,
+    and the stride between key slots (what _attend_tiles takes)."""
+    slot_stride = num_kv_heads * HEAD_DIM
+    k_ptr = k_pool_ptr + kv_head * HEAD_DIM
+    v_ptr = v_pool_ptr + kv_head * HEAD_DIM
+    table_ptr = block_table_ptr + seq.to(tl.int64) * max_blocks_per_seq
+    return k_ptr, v_ptr, table_ptr, slot_stride
+
+
+@triton.jit
 def _find_tile(tile, query_start_ptr, num_seqs, q_per_tile):
     """The query tile with index `tile` of the prefill grid: its sequence, the sequence's first
     query row and query count, the tile's first query (a sequence's tiles run last query tile
@@ -249,10 +261,8 @@ def paged_attention_prefill_kernel(
     lo, hi, full_lo, full_hi = _key_ranges(kv_len, qp_first, qp_last, causal, window, symmetric,
                                            BLOCK_N)
 
-    slot_stride = num_kv_heads * HEAD_DIM
-    k_ptr = k_pool_ptr + kv_head * HEAD_DIM
-    v_ptr = v_pool_ptr + kv_head * HEAD_DIM
-    table_ptr = block_table_ptr + seq.to(tl.int64) * max_blocks_per_seq
+    k_ptr, v_ptr, table_ptr, slot_stride = _kv_head_pointers(k_pool_ptr, v_pool_ptr, block_table_ptr, seq,
+                                                             kv_head, num_kv_heads, max_blocks_per_seq, HEAD_DIM)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -306,10 +316,8 @@ def paged_attention_decode_kernel(
     c0 = tl.minimum(lo + split * chunk, hi)
     c1 = tl.minimum(c0 + chunk, hi)
 
-    slot_stride = num_kv_heads * HEAD_DIM
-    k_ptr = k_pool_ptr + kv_head * HEAD_DIM
-    v_ptr = v_pool_ptr + kv_head * HEAD_DIM
-    table_ptr = block_table_ptr + seq.to(tl.int64) * max_blocks_per_seq
+    k_ptr, v_ptr, table_ptr, slot_stride = _kv_head_pointers(k_pool_ptr, v_pool_ptr, block_table_ptr, seq,
+                                                             kv_head, num_kv_heads, max_blocks_per_seq, HEAD_DIM)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -388,10 +396,8 @@ def paged_attention_chunked_kernel(
         q_ptr, q_begin, num_q, q0, kv_len, kv_head, num_heads, group, q_per_tile, HEAD_DIM, BLOCK_M)
     lo, hi, full_lo, full_hi = _key_ranges(kv_len, qp_first, qp_last, causal, window, symmetric,
                                            BLOCK_N)
-    slot_stride = num_kv_heads * HEAD_DIM
-    k_ptr = k_pool_ptr + kv_head * HEAD_DIM
-    v_ptr = v_pool_ptr + kv_head * HEAD_DIM
-    table_ptr = block_table_ptr + seq.to(tl.int64) * max_blocks_per_seq
+    k_ptr, v_ptr, table_ptr, slot_stride = _kv_head_pointers(k_pool_ptr, v_pool_ptr, block_table_ptr, seq,
+                                                             kv_head, num_kv_heads, max_blocks_per_seq, HEAD_DIM)
     qk_scale = scale * LOG2E
 
     if split != 0:
