@@ -292,8 +292,9 @@ def copy_bw_gbs() -> float | None:
 # Whole steps
 
 
-def write_drafters(work: Path, target_cfg: dict, seed: int = 1) -> tuple[Path, Path]:
-    """The DFlash2 b8 drafter (published layout) and the DFlash drafter of the same backbone."""
+def write_drafters(work: Path, target_cfg: dict, seed: int = 1, with_v1: bool = True) -> tuple[Path, Path | None]:
+    """The DFlash2 b8 drafter (published layout) in work/dflash2 and, with_v1, the DFlash drafter of
+    the same backbone in work/dflash (else None)."""
     import numpy as np
     import torch
 
@@ -332,6 +333,10 @@ def write_drafters(work: Path, target_cfg: dict, seed: int = 1) -> tuple[Path, P
     d2 = write_dflash2_drafter(work / "dflash2", **common, weights=weights, conv_kernel_size=geo["conv_kernel_size"],
                                conv_group_size=geo["conv_group_size"], selector_rank=geo["selector_rank"],
                                selector_top_k=geo["selector_top_k"], is_causal=False)
+    if not with_v1:
+        del weights
+        free_cuda_memory()
+        return Path(d2), None
     v1_names = set(shapes) - {n for n in shapes if "_conv." in n or n.startswith("candidate_selector.")}
     common["layer_types"] = None  # DFlash v1: sliding layers would be causal; full attention (ctx 512 < window)
     common.pop("sliding_window")

