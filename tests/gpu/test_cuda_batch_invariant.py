@@ -268,12 +268,15 @@ def _drafter(tmp_path, target):
                                 block_size=8)
 
 
-@pytest.mark.parametrize("which,lengths,max_tokens", [
-    ("hd128", (7, 33, 64, 12, 90, 3), 48),
+@pytest.mark.parametrize("which,lengths,max_tokens,kind", [
+    ("hd128", (7, 33, 64, 12, 90, 3), 48, "dflash"),
     # 160 tokens from prompts of 50..200: verify blocks of 8 rows straddle the 64-key tiles.
-    ("hd64", (50, 121, 200, 77), 160),
+    ("hd64", (50, 121, 200, 77), 160, "dflash"),
+    # DFlash2 (greedy lattice walk): its verify rows are the candidates' paths, 8 rows a block.
+    ("hd128", (7, 33, 64, 12, 90, 3), 48, "dflash2"),
+    ("hd64", (50, 121, 200, 77), 160, "dflash2"),
 ])
-def test_speculative_greedy_equals_target_only_greedy(which, lengths, max_tokens, invariant_model,
+def test_speculative_greedy_equals_target_only_greedy(which, lengths, max_tokens, kind, invariant_model,
                                                        invariant_model_hd64, tmp_path):
     model = invariant_model_hd64 if which == "hd64" else invariant_model
     rng = np.random.default_rng(1 if which == "hd128" else 3)
@@ -284,22 +287,28 @@ def test_speculative_greedy_equals_target_only_greedy(which, lengths, max_tokens
     want_alone = [target_only.generate([p], greedy)[0].token_ids for p in prompts[:3]]
     assert target_only.stats()["graph_steps"] > 0
     target_only.close()
-    spec = _session(model, draft=str(_drafter(tmp_path, model)), draft_sampling="greedy")
-    # Oracle drafts (the target's own greedy tokens) make every verify row count; the random
-    # drafter's own drafts are rejected at various positions.
-    from tests.runtime_helpers import oracle_run
+    from tests.runtime_helpers import oracle_run, small_dflash2
 
-    oracle = [list(r.token_ids) for r in oracle_run(spec, prompts, want_batched, max_tokens=max_tokens,
-                                                     ignore_eos=True)]
+    drafter = _drafter(tmp_path, model) if kind == "dflash" else small_dflash2(tmp_path, model, block_size=8)
+    spec = _session(model, draft=str(drafter), draft_sampling="greedy")
+    # DFlash: oracle drafts (the target's own greedy tokens) make every verify row count; the
+    # random drafter's own drafts are rejected at various positions.
+    oracle = None
+    if kind == "dflash":
+        oracle = [list(r.token_ids) for r in oracle_run(spec, prompts, want_batched, max_tokens=max_tokens,
+                                                         ignore_eos=True)]
     got_batched = [o.token_ids for o in spec.generate(prompts, greedy)]
     got_alone = [spec.generate([p], greedy)[0].token_ids for p in prompts[:3]]
     stats = spec.stats()
     spec.close()
     assert stats["num_spec_steps"] > 0 and stats["graph_steps"] > 0 and stats["deterministic"] is True
+    if kind == "dflash2":
+        assert stats["draft_sampling"] == "greedy_walk"
     assert want_alone == want_batched[:3]
     assert got_batched == want_batched
     assert got_alone == want_alone
-    assert oracle == [list(w) for w in want_batched], "verify rows (oracle drafts) differ from target-only decode"
+    if oracle is not None:
+        assert oracle == [list(w) for w in want_batched], "verify rows (oracle drafts) differ from target-only decode"
 
 
 @pytest.mark.parametrize("which", ["hd64", "hd128"])
