@@ -292,21 +292,29 @@ def copy_bw_gbs() -> float | None:
 # Whole steps
 
 
+def dflash2_shapes(target_cfg: dict, geo: dict = DFLASH2_B8) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of a DFlash2 drafter of geometry `geo` for the target."""
+    from dflash.drafter_format import dflash2_tensor_shapes
+
+    c = target_cfg
+    return dflash2_tensor_shapes(
+        num_layers=geo["num_layers"], hidden_size=c["hidden_size"], num_heads=c["num_attention_heads"],
+        num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], intermediate_size=c["intermediate_size"],
+        fc_in_features=len(geo["target_layer_ids"]) * c["hidden_size"], vocab_size=c["vocab_size"],
+        conv_kernel_size=geo["conv_kernel_size"], conv_group_size=geo["conv_group_size"],
+        selector_rank=geo["selector_rank"])
+
+
 def write_drafters(work: Path, target_cfg: dict, seed: int = 1, with_v1: bool = True) -> tuple[Path, Path | None]:
     """The DFlash2 b8 drafter (published layout) in work/dflash2 and, with_v1, the DFlash drafter of
     the same backbone in work/dflash (else None)."""
     import numpy as np
     import torch
 
-    from dflash.drafter_format import dflash2_tensor_shapes, write_dflash2_drafter, write_dflash_drafter
+    from dflash.drafter_format import write_dflash2_drafter, write_dflash_drafter
 
-    c, geo = target_cfg, DFLASH2_B8
-    shapes = dflash2_tensor_shapes(
-        num_layers=geo["num_layers"], hidden_size=c["hidden_size"], num_heads=c["num_attention_heads"],
-        num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], intermediate_size=c["intermediate_size"],
-        fc_in_features=len(geo["target_layer_ids"]) * c["hidden_size"], vocab_size=c["vocab_size"],
-        conv_kernel_size=geo["conv_kernel_size"], conv_group_size=geo["conv_group_size"],
-        selector_rank=geo["selector_rank"])
+    geo = DFLASH2_B8
+    shapes = dflash2_shapes(target_cfg, geo)
     try:  # bf16 files through ml_dtypes when importable, else fp32 holding bf16 values
         import ml_dtypes
 

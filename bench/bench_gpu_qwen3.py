@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_dflash2 import DFLASH2_B8  # noqa: E402
+from bench_gpu_dflash2 import DFLASH2_B8, dflash2_shapes  # noqa: E402
 from gpu_common import (  # noqa: E402
     HEADLINE_NAME,
     QWEN3_8B,
@@ -166,14 +166,7 @@ def session_bytes_estimate(kv_tokens: int, *, spec: bool, max_num_seqs: int, cfg
 def dflash2_drafter_weight_bytes(cfg=QWEN3_8B, geo=DFLASH2_B8) -> int:
     """bf16 bytes of the DFlash2 drafter's tensors that a step streams: every tensor of its file but
     the selector's two codebooks [V, rank], which the edge scores gather at the K candidates."""
-    from dflash.drafter_format import dflash2_tensor_shapes
-
-    shapes = dflash2_tensor_shapes(
-        num_layers=geo["num_layers"], hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"],
-        num_kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], intermediate_size=cfg["intermediate_size"],
-        fc_in_features=len(geo["target_layer_ids"]) * cfg["hidden_size"], vocab_size=cfg["vocab_size"],
-        conv_kernel_size=geo["conv_kernel_size"], conv_group_size=geo["conv_group_size"],
-        selector_rank=geo["selector_rank"])
+    shapes = dflash2_shapes(cfg, geo)
     return 2 * sum(math.prod(shape) for name, shape in shapes.items() if not name.endswith("_codebook"))
 
 
