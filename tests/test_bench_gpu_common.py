@@ -4,8 +4,9 @@
 # bench/ab_gpu_step.py, bench_gpu_attention_small.py's plan, bench_gpu_launch_modes.py's modes) on
 # the CPU: byte counts of a decode step against the figures of the first H200 run, the KV plan,
 # the projection and goal fields, argument parsing, the shared headline file (merged, never
-# replaced), the A/B runner's variant syntax, medians and ratios, and the launch-mode selection
-# and medians. Nothing here times anything or needs a GPU.
+# replaced), the A/B runner's variant syntax, medians and ratios, the launch-mode selection
+# and medians, bench_gpu_qwen3's DFlash2 / GEMV figures and carry-over, and bench_gpu_smollm2's
+# AR and speculative timing run on the CPU (its fields, not its speed). Nothing here needs a GPU.
 from __future__ import annotations
 
 import importlib
@@ -106,6 +107,27 @@ def test_qwen3_bench_carry_over_keeps_what_this_run_does_not_measure():
     q.carry_over(res, {"date": "d0"}, {"ar"})
     assert res == {}
     assert q.parse_args(["--carry-over"]).carry_over and not q.parse_args([]).carry_over
+
+
+def test_smollm2_bench_times_ar_and_speculative_decoding():
+    """bench_gpu_smollm2's timing of our AR and speculative decoding (shipped drafter), on the CPU."""
+    from dflash.default_model import default_drafter_dir, default_model_dir
+
+    b = _bench_module("bench_gpu_smollm2")
+    drafter = default_drafter_dir()
+    if drafter is None:
+        pytest.skip("no shipped drafter")
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6]]
+    ar = b.ours(default_model_dir(), prompts, 10, device="cpu", kv_cache_tokens=1024)
+    spec = b.ours(default_model_dir(), prompts, 10, draft_dir=drafter, device="cpu", kv_cache_tokens=1024)
+    assert ar["steps"] == 9 and ar["tokens_per_step_per_request"] == 1.0 and not ar["speculative"]
+    assert ar["spec_steps"] == 0 and ar["decode_tokens_per_s"] == pytest.approx(2 * 9 / ar["decode_s"])
+    assert spec["speculative"] and 0 < spec["spec_steps"] and spec["steps"] <= 9
+    assert spec["tokens_per_step_per_request"] >= 1.0
+    r = b.spec_ratios(spec, ar, {"decode_tokens_per_s": 2.0})
+    assert r["spec_step_over_ar_step"] == pytest.approx(spec["ms_per_step"] / ar["ms_per_step"])
+    assert r["spec_speedup_vs_hf"] == pytest.approx(spec["decode_tokens_per_s"] / 2.0)
+    assert b.spec_ratios(None, ar, {"decode_tokens_per_s": 2.0}) == {}
 
 
 def test_result_header_records_kernel_switches(monkeypatch):
