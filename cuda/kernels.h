@@ -125,6 +125,7 @@ struct StreamGemmConfig {
   int unroll = 0;
   int ctas_per_sm = 0;
   bool batch_invariant = false;
+  int min_warps = 0;  // with warps 0: the launcher's shape only if it keeps at least this many warps
 };
 constexpr int64_t kStreamGemmMaxRows = 16;
 bool stream_gemm_supports(const void* in, const void* w, int64_t m, int64_t k, const SkinnyFusion& fusion,

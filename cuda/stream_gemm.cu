@@ -254,11 +254,20 @@ struct StreamShape {
   size_t smem = 0;
 };
 
-// Warps per CTA from K alone: 8, fewer where K has fewer than two rounds of 8 U chunks.
-int default_warps(int64_t k, int unroll) {
+// Warps per CTA. Batch-invariant: from K alone (never from M), 8, fewer where K has fewer than
+// two rounds of 8 U chunks. Else by M, as the H200 sweep of every built shape over the Qwen3-8B
+// GEMMs measured (bench/results/gpu_h200_gemv_stream.json, one run): up to 8 rows 16 warps (with
+// the 3-stage ring that fits them) led the former 8-warp 6-stage choice by up to 8 points of the
+// copy bandwidth in 20 of the 21 (shape, M = 1 / 4 / 8) cases (O at M = 4: 77.9 against 69.5 %;
+// the one loss: the drafter's K/V at M = 1, 89.3 against 91.0 %), fewer where K has fewer than U
+// chunks per warp; past 8 rows 4 warps with 3 stages led the former 8 warps with 6 by 3-18 points
+// on all 7 shapes (QKV at M = 16: 73.6 against 59.8 %).
+// Unroll 8 (benchmarks): at most 8.
+int default_warps(int64_t m, int64_t k, int unroll, bool invariant) {
   const int64_t chunks = (k + kChunk - 1) / kChunk;
-  const int64_t w = (chunks + 2 * unroll - 1) / (2 * unroll);
-  return static_cast<int>(w < 1 ? 1 : w > 8 ? 8 : w);
+  const int64_t cap = invariant || unroll == 8 ? 8 : m <= 8 ? 16 : 4;  // U 8: 255 registers, 256 threads
+  const int64_t w = invariant ? (chunks + 2 * unroll - 1) / (2 * unroll) : (chunks + unroll - 1) / unroll;
+  return static_cast<int>(w < 1 ? 1 : w > cap ? cap : w);
 }
 
 bool shape_of(int64_t m, int64_t k, const SkinnyFusion& f, bool out_f32, const StreamGemmConfig* config,
@@ -268,7 +277,7 @@ bool shape_of(int64_t m, int64_t k, const SkinnyFusion& f, bool out_f32, const S
   s.unroll = 4;
   if (config != nullptr && config->unroll != 0 && !invariant) s.unroll = config->unroll;
   const bool fixed_warps = config != nullptr && config->warps != 0;
-  s.warps = fixed_warps ? config->warps : default_warps(k, s.unroll);
+  s.warps = fixed_warps ? config->warps : default_warps(m, k, s.unroll, invariant);
   if (s.warps < 1 || s.warps > (s.unroll == 8 ? 8 : 16)) return false;  // U = 8: 255 registers, 256 threads
   const int max_smem = device_facts().max_smem;
   // Staged x sized for 16 rows when invariant, so the shape never depends on m.
@@ -276,12 +285,15 @@ bool shape_of(int64_t m, int64_t k, const SkinnyFusion& f, bool out_f32, const S
   if (config != nullptr && config->stages != 0) {
     s.stages = config->stages;
   } else {
-    // The deepest ring that fits; then fewer warps (unless given) until one does.
+    // The deepest ring that fits (past 8 rows, not batch-invariant: 3 stages, which led 4 and 6
+    // at 4 warps on 4 of the sweep's 7 shapes, e.g. QKV at M = 16: 73.6 / 69.9 / 60.2 %);
+    // then fewer warps (unless given) until one does.
     const bool plain = f.input == SkinnyInput::kPlain && !f.add;
+    const bool shallow = !invariant && m > 8;
     s.stages = 0;
     while (s.stages == 0 && s.warps >= 1) {
       for (int stages : {6, 4, 3}) {
-        if (stages == 6 && !plain) continue;
+        if ((stages == 6 && !plain) || (shallow && stages != 3)) continue;
         if (stream_smem_bytes(s.warps, s.nt, s.unroll, stages, staged_rows, k, f.input) <=
             static_cast<size_t>(max_smem)) {
           s.stages = stages;
@@ -295,6 +307,7 @@ bool shape_of(int64_t m, int64_t k, const SkinnyFusion& f, bool out_f32, const S
     }
     if (s.stages == 0) return false;
   }
+  if (!fixed_warps && config != nullptr && s.warps < config->min_warps) return false;
   s.smem = stream_smem_bytes(s.warps, s.nt, s.unroll, s.stages, staged_rows, k, f.input);
   return s.smem <= static_cast<size_t>(max_smem) &&
          pick_kernel(s.nt, s.unroll, s.stages, f.input, f.add, out_f32) != nullptr;

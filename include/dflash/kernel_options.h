@@ -12,8 +12,11 @@ namespace dflash {
 struct KernelOptions {
   // CUDA linear layers: "auto" (the skinny kernel for small weights, N x K <= 4096 x 4096, where
   // it measured faster on the H200; cuBLASLt for the rest), "cublaslt", "skinny" (every layer
-  // the skinny kernel supports) or "stream" (every layer of up to 16 rows on the streaming
-  // skinny kernel, persistent CTAs with a cp.async weight ring, where it supports the shape).
+  // the skinny kernel supports), "stream" (every layer of up to 16 rows on the streaming
+  // skinny kernel, persistent CTAs with a cp.async weight ring, where it supports the shape) or
+  // "routed" (as auto, but up to 8 rows of the mid-size weights, K >= 2048 and N x K <= 8192^2 such
+  // as Qwen3-8B's QKV, O and down projections, on the streaming kernel, where it led cuBLASLt in
+  // isolation; opt-in until an A/B of the whole step confirms it).
   std::string gemm = "auto";
   // CUDA: norms and activations fused into the skinny GEMMs (false: the unfused kernels).
   bool fused_layers = true;

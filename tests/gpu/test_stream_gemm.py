@@ -8,7 +8,7 @@
 # tiles per CTA from 1 to many), every built launch shape, bit-identical reruns, batch-invariant
 # rows (NT 2 for every M, warps from K: a row's bits do not depend on the other rows), the LM-head
 # shape on a stream, refusals of unsupported arguments, and the CUDA backend with
-# DFLASH_GEMM=stream on a tiny model (same tolerance as the skinny kernel against cuBLASLt).
+# DFLASH_GEMM=stream and =routed on tiny models (same tolerance as the skinny kernel against cuBLASLt).
 # Skipped without a CUDA device or a CUDA build of dflash.
 from __future__ import annotations
 
@@ -198,3 +198,48 @@ def test_backend_gemm_stream(tiny_model_dirs, monkeypatch):
     print(f"{name}: max |logit(stream) - logit(cublaslt)| = {err:.4g} (tolerance {tol:.4g})")
     assert err <= tol
     assert not np.array_equal(streamed, lt)  # the stream kernel really ran (other rounding)
+
+
+def test_backend_gemm_routed(tmp_path):
+    """DFLASH_GEMM=routed on a model whose QKV / O / down weights fall in the routed range (K >= 2048,
+    N x K <= 8192^2) and whose gate/up weight does not: decode logits within the bf16 tolerance of
+    cuBLASLt's, and the streaming kernel runs there (and not under auto, on the same model)."""
+    import gc
+
+    import dflash
+
+    from tests.fixtures.tiny_models import write_tiny_model
+    from tests.gpu.session_runs import session_process
+    from tests.gpu.test_cuda_models import LOGIT_ABS, TOL_FACTOR, bf16_floor
+    from tests.runtime_helpers import forced_run
+
+    model = write_tiny_model(tmp_path / "routed", arch="qwen3", hidden_size=2048, num_layers=1, num_heads=16,
+                             num_kv_heads=4, head_dim=128, intermediate_size=17408, vocab_size=512,
+                             dtype="bfloat16", seed=21)
+    prompt, forced = [5, 17, 42, 7, 99, 3], [11, 12, 13, 14, 15, 16, 17]
+
+    def logits(env, monkeypatch_env):
+        monkeypatch_env.setenv("DFLASH_GEMM", env)
+        sess = dflash.Session(model, device="cuda", kv_cache_tokens=1024)
+        out, _, _ = forced_run(sess, prompt, forced)
+        del sess
+        gc.collect()
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        lt, routed = logits("cublaslt", mp), logits("routed", mp)
+    cpu = dflash.Session(model, device="cpu", num_threads=2)
+    tol = LOGIT_ABS + TOL_FACTOR * bf16_floor("routed_2048", {"routed_2048": model}, cpu)
+    err = float(np.max(np.abs(routed - lt)))
+    print(f"max |logit(routed) - logit(cublaslt)| = {err:.4g} (tolerance {tol:.4g})")
+    assert err <= tol
+
+    def kernels(mode):
+        r = session_process(model, env={"DFLASH_GEMM": mode}, kernels="_", prompts=2, max_tokens=8)
+        assert r.returncode == 0, r.stderr[-3000:]
+        import json
+
+        return json.loads(r.stdout.strip().splitlines()[-1])["kernels"]
+
+    assert any("stream_gemm_kernel" in k for k in kernels("routed"))
+    assert not any("stream_gemm_kernel" in k for k in kernels("auto"))

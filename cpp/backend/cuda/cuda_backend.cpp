@@ -37,12 +37,21 @@ void check_bf16(const Tensor& t, const char* what) {
 // included) left the Qwen3-8B-geometry AR step at batch 1 unchanged on the H200 (4.962 vs
 // 4.966 ms with cuBLASLt for all), so auto keeps the rule above. A fixed rule, not timing, so
 // results are reproducible run to run.
+// Why that step did not move: from the isolated figures, "stream" at M = 1 saved 2.2 / 1.0 /
+// 3.1 us per layer on QKV / O / down and lost 6.4 us on gate/up (83.7 % against cuBLASLt's
+// 94.6 %), net zero; and all 145 GEMMs of the step in one graph took what the isolated figures
+// add up to (4.213 ms streamed, 4.225 ms cuBLASLt: bench_gpu_gemv.py step_m1). "routed" keeps
+// the streaming kernel to the shapes where it led (up to 8 rows, K >= 2048, N x K <= 8192^2:
+// QKV, O, down; its launcher's 16-warp shape led every one of them, 80.5-90.7 % at M = 1) and
+// cuBLASLt for gate/up and the LM head: 9 us per layer less than auto by the same arithmetic.
+// Opt-in until an A/B of the whole step confirms it.
 CudaBackend::GemmMode gemm_mode_of(const std::string& s) {
-  DFLASH_ARG_CHECK(s == "auto" || s == "cublaslt" || s == "skinny" || s == "stream",
-                   "kernels.gemm (DFLASH_GEMM) must be auto, cublaslt, skinny or stream, got '", s, "'");
+  DFLASH_ARG_CHECK(s == "auto" || s == "cublaslt" || s == "skinny" || s == "stream" || s == "routed",
+                   "kernels.gemm (DFLASH_GEMM) must be auto, cublaslt, skinny, stream or routed, got '", s, "'");
   return s == "cublaslt" ? CudaBackend::GemmMode::kCublasLt
          : s == "skinny" ? CudaBackend::GemmMode::kSkinny
          : s == "stream" ? CudaBackend::GemmMode::kStream
+         : s == "routed" ? CudaBackend::GemmMode::kRouted
                          : CudaBackend::GemmMode::kAuto;
 }
 
@@ -232,13 +241,17 @@ void CudaBackend::add_rms_norm(Tensor& residual, const Tensor& x, const Tensor& 
 bool CudaBackend::skinny_for(int64_t m, const Tensor& w) const {
   if (batch_invariant_) return true;  // every m, in slices (invariant_linear, try_fused)
   const int64_t n = w.dim(0), k = w.dim(1);
-  const bool skinny = gemm_mode_ == GemmMode::kSkinny ||
-                      (gemm_mode_ == GemmMode::kAuto && n * k <= kSkinnyGemmMaxWeight);
+  const bool by_size = gemm_mode_ == GemmMode::kAuto || gemm_mode_ == GemmMode::kRouted;
+  const bool skinny = gemm_mode_ == GemmMode::kSkinny || (by_size && n * k <= kSkinnyGemmMaxWeight);
   return skinny && m <= kSkinnyGemmRows;
 }
 
-bool CudaBackend::stream_for(int64_t m) const {
-  return !batch_invariant_ && gemm_mode_ == GemmMode::kStream && m <= cuda::kStreamGemmMaxRows;
+bool CudaBackend::stream_for(int64_t m, const Tensor& w) const {
+  if (batch_invariant_ || m > cuda::kStreamGemmMaxRows) return false;
+  if (gemm_mode_ == GemmMode::kStream) return true;
+  const int64_t n = w.dim(0), k = w.dim(1);
+  return gemm_mode_ == GemmMode::kRouted && m <= kRoutedStreamRows && k >= kRoutedStreamMinK &&
+         n * k <= kRoutedStreamMaxWeight;
 }
 
 bool CudaBackend::invariant_stream(const void* in, const Tensor& w, int64_t m, const cuda::SkinnyFusion& fusion,
@@ -274,10 +287,14 @@ bool CudaBackend::try_fused(const Tensor& in, const Tensor& w, int64_t m, const 
     DFLASH_CUDA_CHECK(cuda::skinny_gemm_fused(bf(in), bf(w), m, n, k, f, bf(out), stream_));
     return true;
   }
-  if (fused_layers_ && stream_for(m) && cuda::stream_gemm_supports(in.data, w.data, m, k, fusion, false)) {
+  // kRouted: a fused form whose staged input leaves the launcher fewer than 8 warps (silu * up of
+  // the down projection past a few rows) runs unfused instead.
+  cuda::StreamGemmConfig config;
+  config.min_warps = gemm_mode_ == GemmMode::kRouted ? 8 : 0;
+  if (fused_layers_ && stream_for(m, w) && cuda::stream_gemm_supports(in.data, w.data, m, k, fusion, false, &config)) {
     check_bf16(in, "fused linear input");
     check_bf16(out, "fused linear output");
-    DFLASH_CUDA_CHECK(cuda::stream_gemm(bf(in), bf(w), m, n, k, fusion, false, out.data, stream_));
+    DFLASH_CUDA_CHECK(cuda::stream_gemm(bf(in), bf(w), m, n, k, fusion, false, out.data, stream_, &config));
     return true;
   }
   if (!fused_layers_ || !skinny_for(m, w) || !cuda::skinny_gemm_fused_supports(in.data, w.data, m, k, fusion)) return false;
@@ -350,7 +367,8 @@ void CudaBackend::linear(const Tensor& x, const Tensor& w, Tensor& out) {
     return;
   }
   const bool f32 = out.dtype == DType::kF32;
-  if (stream_for(m) && x.dtype == DType::kBF16 && cuda::stream_gemm_supports(x.data, w.data, m, k, cuda::SkinnyFusion{}, f32)) {
+  if (stream_for(m, w) && x.dtype == DType::kBF16 &&
+      cuda::stream_gemm_supports(x.data, w.data, m, k, cuda::SkinnyFusion{}, f32)) {
     DFLASH_CUDA_CHECK(cuda::stream_gemm(bf(x), bf(w), m, n, k, cuda::SkinnyFusion{}, f32, out.data, stream_));
     return;
   }

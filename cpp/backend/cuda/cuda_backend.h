@@ -26,7 +26,7 @@ class Modules;
 
 class CudaBackend final : public Backend {
  public:
-  enum class GemmMode { kAuto, kCublasLt, kSkinny, kStream };
+  enum class GemmMode { kAuto, kCublasLt, kSkinny, kStream, kRouted };
   // scratch_bytes: the per-step arena (activations, logits, metadata).
   CudaBackend(int device, size_t scratch_bytes, const KernelOptions& kernels = KernelOptions());
   ~CudaBackend() override;
@@ -126,10 +126,10 @@ class CudaBackend final : public Backend {
   Tensor persistent(const std::vector<int64_t>& shape, DType dtype);
   // Whether linear() would run the skinny kernel for m rows of w [N, K].
   bool skinny_for(int64_t m, const Tensor& w) const;
-  // Whether the linear layers of m rows run the streaming skinny kernel (cuda/stream_gemm.cu)
-  // where it supports the shape (GemmMode::kStream, up to 16 rows; the batch-invariant mode
-  // goes through invariant_stream instead).
-  bool stream_for(int64_t m) const;
+  // Whether linear layers of m rows of w [N, K] run the streaming skinny kernel
+  // (cuda/stream_gemm.cu) where it supports the shape: GemmMode::kStream up to 16 rows, kRouted
+  // the shapes of kRoutedStream* (the batch-invariant mode goes through invariant_stream instead).
+  bool stream_for(int64_t m, const Tensor& w) const;
   // Batch-invariant mode: out[m, N] = (fused) in @ w^T on the streaming kernel with the skinny
   // kernel's batch-invariant warps (the same bits as invariant_linear / the fused skinny launch),
   // for m <= 16 where its shared memory holds the form; false: not run.
@@ -201,9 +201,15 @@ class CudaBackend final : public Backend {
   // add in its epilogue); elsewhere they compose the unfused ops (cuBLASLt adds in place).
   // kStream: every linear layer and fused layer op of up to kStreamGemmMaxRows rows that the
   // streaming kernel supports runs it (cuda/stream_gemm.cu), the rest as kAuto (why auto does
-  // not use it: gemm_mode_of in cuda_backend.cpp).
+  // not use it: gemm_mode_of in cuda_backend.cpp). kRouted: the streaming kernel only where it led
+  // cuBLASLt in the H200 sweep (gemm_mode_of): up to kRoutedStreamRows rows, K >= kRoutedStreamMinK
+  // and weights of at most kRoutedStreamMaxWeight elements (QKV, O, down of Qwen3-8B; not gate/up
+  // or the LM head), its fused forms only with at least 8 warps; the rest as kAuto.
   static constexpr int64_t kSkinnyGemmRows = 16;
   static constexpr int64_t kSkinnyGemmMaxWeight = int64_t{4096} * 4096;
+  static constexpr int64_t kRoutedStreamRows = 8;
+  static constexpr int64_t kRoutedStreamMinK = 2048;
+  static constexpr int64_t kRoutedStreamMaxWeight = int64_t{8192} * 8192;
   GemmMode gemm_mode_ = GemmMode::kAuto;
   bool fused_layers_ = true;  // KernelOptions::fused_layers false: the layer ops compose the unfused kernels
   // KernelOptions::batch_invariant: every linear layer on the skinny kernel's batch-invariant
