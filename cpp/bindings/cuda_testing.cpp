@@ -440,10 +440,11 @@ void cuda_skinny_gemm_fused(const Any& inp, const Any& w, const Any& out, const 
 }
 
 // The streaming skinny GEMM: mode "plain" (inp [M, K]; out bf16 or fp32), "rms_norm" or "silu_mul"
-// as cuda_skinny_gemm_fused; add: out (bf16) += the product; the launch shape as StreamGemmConfig.
+// as cuda_skinny_gemm_fused; add: out (bf16) += the product; the launch shape as StreamGemmConfig
+// (min_warps: refused where the launcher's shape keeps fewer warps).
 void cuda_stream_gemm(const Any& inp, const Any& w, const Any& out, const std::string& mode, std::optional<Any> gamma,
                       float eps, bool add, int warps, int stages, int unroll, int ctas_per_sm, bool batch_invariant,
-                      std::optional<uintptr_t> stream) {
+                      int min_warps, std::optional<uintptr_t> stream) {
   DFLASH_ARG_CHECK(inp.ndim() == 2 && w.ndim() == 2 && out.ndim() == 2 && out.shape(0) == inp.shape(0) &&
                        out.shape(1) == w.shape(0),
                    "stream_gemm: inp [M, K or 2K], w [N, K], out [M, N]");
@@ -472,6 +473,7 @@ void cuda_stream_gemm(const Any& inp, const Any& w, const Any& out, const std::s
   config.unroll = unroll;
   config.ctas_per_sm = ctas_per_sm;
   config.batch_invariant = batch_invariant;
+  config.min_warps = min_warps;
   const __nv_bfloat16* in = bf16(inp, "inp");
   const __nv_bfloat16* wp = bf16(w, "w");
   DFLASH_ARG_CHECK(cuda::stream_gemm_supports(in, wp, inp.shape(0), w.shape(1), f, f32, &config),
@@ -653,7 +655,7 @@ void bind_cuda_testing(nb::module_& m) {
         "batch-invariant with them has the skinny kernel's bits)");
   m.def("cuda_stream_gemm", &cuda_stream_gemm, "inp"_a, "w"_a, "out"_a, "mode"_a = "plain", "gamma"_a.none() = nb::none(),
         "eps"_a = 1e-6f, "add"_a = false, "warps"_a = 0, "stages"_a = 0, "unroll"_a = 0, "ctas_per_sm"_a = 0,
-        "batch_invariant"_a = false, "stream"_a.none() = nb::none());
+        "batch_invariant"_a = false, "min_warps"_a = 0, "stream"_a.none() = nb::none());
   m.def("cuda_cublaslt_gemm", &cuda_cublaslt_gemm, "x"_a, "w"_a, "out"_a, "stream"_a.none() = nb::none());
   m.def("cuda_skinny_gemm_fused", &cuda_skinny_gemm_fused, "inp"_a, "w"_a, "out"_a, "mode"_a,
         "gamma"_a.none() = nb::none(), "eps"_a = 1e-6f, "add"_a = false, "batch_invariant"_a = false);

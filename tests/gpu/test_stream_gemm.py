@@ -167,6 +167,13 @@ def test_stream_gemm_refusals():
         K.cuda_stream_gemm(bf16(2, 64), bf16(5, 64), torch.empty(2, 5, device=DEV, dtype=torch.float32), add=True)
     with pytest.raises(ValueError, match="gamma"):
         K.cuda_stream_gemm(bf16(2, 64), bf16(5, 64), out, mode="rms_norm")
+    # min_warps (the routed backend's fused forms): silu * up staged for 8 rows of K = 12288 leaves
+    # the launcher 2 warps; at M = 1 it keeps at least 8
+    gate_up, w_down, out8 = bf16(8, 2 * 12288), bf16(64, 12288), torch.empty(8, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="stream_gemm"):
+        K.cuda_stream_gemm(gate_up, w_down, out8, mode="silu_mul", min_warps=8)
+    K.cuda_stream_gemm(gate_up, w_down, out8, mode="silu_mul")  # without the floor it runs
+    K.cuda_stream_gemm(gate_up[:1], w_down, out8[:1], mode="silu_mul", min_warps=8)
     # the process is fine afterwards
     x, w = bf16(2, 64, seed=5), bf16(5, 64, seed=6)
     check("after refusals", run(x, w, torch.float32), x, w)
