@@ -23,7 +23,9 @@ In ONE run, on the SAME prompt token ids and the SAME lengths, this measures:
                   decode_s    = total_s - prefill_s
                   decode_tok_s (aggregate) = batch * (N-1) / decode_s
                   per_request_decode_tok_s = (N-1) / decode_s (all rows advance in lock-step)
-  ratio         ours / transformers aggregate decode tok/s, per batch size (median of repeats).
+  ratio         ours / transformers aggregate decode tok/s, per batch size (median of repeats);
+                the batch-1 ratio goes to headline.json beside --out as cpu_ar_speedup_vs_hf_bs1
+                (with cpu_decode_date / cpu_decode_command).
   roofline      fp32 weight bytes read per decode step (every tensor except the token-embedding
                 table; the LM head is tied to the embedding, so that matrix is counted once),
                 and a memory-copy bandwidth measured in the same run (numpy copy of a 512 MiB
@@ -342,6 +344,14 @@ def _agreement(a, b, eos_ids):
 
 
 # ----------------------------------------------------------------------------- main
+def headline_figures(results) -> dict:
+    """{"cpu_ar_speedup_vs_hf_bs1": ours / transformers decode tok/s at batch 1} when measured."""
+    for e in results:
+        if e["batch_size"] == 1 and e.get("decode_tok_s_ratio_ours_over_transformers"):
+            return {"cpu_ar_speedup_vs_hf_bs1": e["decode_tok_s_ratio_ours_over_transformers"]}
+    return {}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -542,6 +552,12 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
+    head = headline_figures(results)
+    if head:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_common import update_headline
+
+        print(f"headline {update_headline(out.parent, head, stamp_prefix='cpu_decode_')}: {head}")
 
     # Short table.
     print()

@@ -6,7 +6,8 @@
 # the projection and goal fields, argument parsing, the shared headline file (merged, never
 # replaced), the A/B runner's variant syntax, medians and ratios, the launch-mode selection
 # and medians, bench_gpu_qwen3's DFlash2 / GEMV figures and carry-over, and bench_gpu_smollm2's
-# AR and speculative timing run on the CPU (its fields, not its speed). Nothing here needs a GPU.
+# AR and speculative timing run on the CPU (its fields, not its speed), and bench_cpu_decode's headline
+# figure. Nothing here needs a GPU.
 from __future__ import annotations
 
 import importlib
@@ -128,6 +129,14 @@ def test_smollm2_bench_times_ar_and_speculative_decoding():
     assert r["spec_step_over_ar_step"] == pytest.approx(spec["ms_per_step"] / ar["ms_per_step"])
     assert r["spec_speedup_vs_hf"] == pytest.approx(spec["decode_tokens_per_s"] / 2.0)
     assert b.spec_ratios(None, ar, {"decode_tokens_per_s": 2.0}) == {}
+
+
+def test_cpu_decode_headline_is_the_batch_1_ratio():
+    c = _bench_module("bench_cpu_decode")
+    results = [{"batch_size": 8, "decode_tok_s_ratio_ours_over_transformers": 3.8},
+               {"batch_size": 1, "decode_tok_s_ratio_ours_over_transformers": 2.9}]
+    assert c.headline_figures(results) == {"cpu_ar_speedup_vs_hf_bs1": 2.9}
+    assert c.headline_figures([{"batch_size": 1}]) == {}  # --skip-transformers: no ratio, no key
 
 
 def test_result_header_records_kernel_switches(monkeypatch):
